@@ -1,0 +1,28 @@
+"""The fault-injection seam: named, planted sharding bugs, inert unless a unit is built with them.
+
+`fully_shard(..., _faults=frozenset({"no_grad_average"}))` enables them for that unit only; with
+the default empty set every check below is a set-membership test that is never true. The
+catalog exists so the harness can prove its tolerances still catch real bugs (the mutants
+verb); no production code path depends on it. Nothing here is global state.
+"""
+
+from __future__ import annotations
+
+FAULTS: dict[str, str] = {
+    "no_grad_average": "reduce-scatter sums gradients but never divides by the world size",
+    "padding_garbage_at_init": "the padded tail of each shard is left non-zero at init",
+    "shard_offset_off_by_one": "each rank takes its shard one element late when sharding at init",
+    "all_gather_rank_order": "all-gather places rank shards in reversed order",
+    "drop_last_rank_grad": "the last rank's reduce-scattered gradient shard is dropped (zeroed)",
+    "grad_padding_garbage": "gradient padding is not zeroed, so the optimizer steps the padded region",
+    "no_regather_before_backward": "reshard after forward zeroes the buffer and backward never re-gathers",
+    "tied_param_duplicated": "a parameter with two names gets two slots, as if in two flat parameters",
+    "grad_accum_overwrite": "a second backward overwrites the sharded gradient instead of adding to it",
+}
+
+
+def validate_faults(faults: frozenset[str]) -> frozenset[str]:
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        raise ValueError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
+    return frozenset(faults)

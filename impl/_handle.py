@@ -1,0 +1,249 @@
+"""One flat parameter's sharded/unsharded lifecycle: all-gather, views, reduce-scatter.
+
+The sharded flat parameter (1-D, `shard_numel` elements, padding included) is what the module
+registers and what the optimizer updates. The unsharded buffer is a separate autograd leaf whose
+storage exists only between unshard() and reshard(); the original parameters are views into it
+(see [Note: Views into the unsharded buffer]).
+
+[Note: Views into the unsharded buffer]
+Each forward makes fresh views of the unsharded leaf with one `torch.split`, so autograd records a
+single SplitBackward node that writes every view's gradient into one padded gradient of the
+leaf. When a unit reshards after forward, the leaf's storage is resized to zero; the pre-backward
+hook resizes it back and all-gathers into the same storage, so tensors that autograd saved in
+forward (views of that storage) see the re-gathered values. Writes go through `leaf.data`, an
+alias with its own version counter, so autograd does not mistake the re-gather for an in-place
+change of a saved tensor.
+
+At W = 1 with no dtype cast and no replication, the leaf *is* the sharded parameter: no copy,
+no collective, and gradients accumulate into it exactly as into the plain model's parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from impl._collectives import CommStats, all_gather_into, all_reduce_sum, reduce_scatter_sum
+from impl._flat_param import FlatLayout, flatten_padded, shard_of, unflatten_views
+
+
+class HandleState(Enum):
+    SHARDED = auto()
+    UNSHARDED = auto()
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """How one flat parameter communicates. Built by fully_shard, shared by a unit's handles."""
+
+    shard_group: dist.ProcessGroup | None  # None: W_shard = 1
+    replicate_group: dist.ProcessGroup | None  # None: no replication (HSDP / NO_SHARD only)
+    shard_rank: int
+    shard_world_size: int
+    replicate_world_size: int
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    faults: frozenset[str]
+    stats: CommStats | None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.shard_world_size * self.replicate_world_size
+
+
+class FlatParamHandle:
+    def __init__(
+        self,
+        module: nn.Module,
+        param_name: str,
+        layout: FlatLayout,
+        slot_owners: list[list[tuple[nn.Module, str]]],
+        comm: CommConfig,
+        requires_grad: bool,
+    ) -> None:
+        self.module = module
+        self.param_name = param_name  # the sharded flat parameter's name on `module`
+        self.layout = layout
+        self.slot_owners = slot_owners
+        self.comm = comm
+        self.requires_grad = requires_grad
+        self.state = HandleState.SHARDED
+        self._leaf: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self.sync_grads = True  # False: keep accumulating the unsharded gradient (no_sync)
+
+    # -- layout -------------------------------------------------------------------------------
+    @property
+    def sharded(self) -> nn.Parameter:
+        # Read through the module: to_empty()/to() may swap the registered Parameter object.
+        return self.module._parameters[self.param_name]
+
+    @property
+    def fqns(self) -> list[str]:
+        return [s.fqn for s in self.layout.slots]
+
+    @property
+    def _aliased(self) -> bool:
+        c = self.comm
+        return (
+            c.shard_world_size == 1
+            and c.replicate_group is None
+            and c.param_dtype in (None, self.sharded.dtype)
+            and c.reduce_dtype in (None, self.sharded.dtype)
+        )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.comm.param_dtype or self.sharded.dtype
+
+    def assert_state(self, *allowed: HandleState) -> None:
+        assert self.state in allowed, f"{self.fqns}: state {self.state} not in {allowed}"
+
+    def init_sharded_from(self, full_tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The local shard (a fresh tensor, padding zero) of the given full parameters."""
+        padded = flatten_padded(full_tensors, self.layout)
+        start, end = self.layout.shard_bounds(self.comm.shard_rank)
+        if "shard_offset_off_by_one" in self.comm.faults:
+            start, end = start + 1, end + 1
+            padded = torch.cat([padded, padded.new_zeros(1)])
+        local = padded[start:end].clone()
+        if "padding_garbage_at_init" in self.comm.faults:
+            pad_start, pad_end = self.layout.local_padding_bounds(self.comm.shard_rank)
+            local[pad_start:pad_end] = 1.0
+        return local
+
+    def check_materialized(self, unit_name: str) -> None:
+        if self.sharded.is_meta:
+            raise RuntimeError(
+                f"rank {dist.get_rank() if dist.is_initialized() else 0}: unit '{unit_name}' is "
+                f"still on the meta device at forward; parameters never materialised: "
+                f"{self.fqns}. Fix: call impl.init_meta_module(model, device) (to_empty() plus "
+                f"each module's reset_parameters()) or load a state dict before the first forward."
+            )
+
+    # -- unshard / reshard ----------------------------------------------------------------------
+    def _ensure_leaf(self) -> torch.Tensor:
+        sharded = self.sharded
+        if self._aliased:
+            return sharded
+        leaf = self._leaf
+        if leaf is None or leaf.device != sharded.device or leaf.dtype != self.compute_dtype:
+            leaf = torch.empty(
+                self.layout.padded_numel, dtype=self.compute_dtype, device=sharded.device
+            )
+            leaf.requires_grad_(self.requires_grad)
+            if self.requires_grad:
+                leaf.register_post_accumulate_grad_hook(self._post_accumulate_grad)
+            self._leaf = leaf
+        return leaf
+
+    def unshard(self) -> None:
+        """All-gather the padded flat parameter into the unsharded leaf (no-op if unsharded)."""
+        if self.state == HandleState.UNSHARDED:
+            return
+        leaf = self._ensure_leaf()
+        if leaf is not self.sharded:
+            storage = leaf.untyped_storage()
+            nbytes = leaf.numel() * leaf.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+            sharded = self.sharded.detach()
+            if sharded.dtype != leaf.dtype:
+                sharded = sharded.to(leaf.dtype)
+            out = leaf.data
+            all_gather_into(out, sharded, self.comm.shard_group, self.comm.stats)
+            if "all_gather_rank_order" in self.comm.faults and self.comm.shard_world_size > 1:
+                out.copy_(torch.cat(list(reversed(out.chunk(self.comm.shard_world_size)))))
+        self.state = HandleState.UNSHARDED
+
+    def use_views(self) -> None:
+        """Point every original parameter name at a fresh view of the unsharded leaf."""
+        self.assert_state(HandleState.UNSHARDED)
+        self._views = unflatten_views(self._ensure_leaf(), self.layout)
+        for view, owners in zip(self._views, self.slot_owners):
+            for module, attr in owners:
+                module.__dict__[attr] = view
+
+    def reshard(self, *, for_backward_regather: bool = False) -> None:
+        """Free the unsharded storage; views keep their (now empty) storage until re-gathered."""
+        if self.state == HandleState.SHARDED:
+            return
+        leaf = self._leaf
+        if leaf is not None and not self._aliased:
+            if for_backward_regather and "no_regather_before_backward" in self.comm.faults:
+                leaf.data.zero_()
+                return  # stays "unsharded": backward will use the zeroed buffer
+            leaf.untyped_storage().resize_(0)
+        self.state = HandleState.SHARDED
+
+    def free_views(self) -> None:
+        self._views = []
+
+    # -- gradients -----------------------------------------------------------------------------
+    def _post_accumulate_grad(self, leaf: torch.Tensor) -> None:
+        # Without sync the unsharded gradient keeps accumulating until a synced backward.
+        if self.sync_grads:
+            full_grad = leaf.grad
+            leaf.grad = None
+            self.accumulate_sharded_grad(self.reduce_grad(full_grad))
+        self.reshard()
+
+    def reduce_grad(self, padded_full_grad: torch.Tensor) -> torch.Tensor:
+        """Reduce-scatter (sum) then average: this rank's shard of the mean gradient."""
+        c = self.comm
+        grad = padded_full_grad
+        if c.reduce_dtype is not None and grad.dtype != c.reduce_dtype:
+            grad = grad.to(c.reduce_dtype)
+        sharded_grad = grad.new_empty(self.layout.shard_numel)
+        reduce_scatter_sum(sharded_grad, grad, c.shard_group, c.stats)
+        if c.replicate_group is not None:
+            all_reduce_sum(sharded_grad, c.replicate_group, c.stats)
+        if "no_grad_average" not in c.faults and c.data_parallel_size > 1:
+            sharded_grad.div_(c.data_parallel_size)
+        if "drop_last_rank_grad" in c.faults and c.shard_rank == c.shard_world_size - 1:
+            sharded_grad.zero_()
+        pad_start, pad_end = self.layout.local_padding_bounds(c.shard_rank)
+        if "grad_padding_garbage" in c.faults:
+            sharded_grad[pad_start:pad_end] = 1.0
+        else:
+            sharded_grad[pad_start:pad_end].zero_()
+        return sharded_grad.to(self.sharded.dtype)
+
+    def accumulate_sharded_grad(self, sharded_grad: torch.Tensor) -> None:
+        param = self.sharded
+        if param.grad is None or "grad_accum_overwrite" in self.comm.faults:
+            param.grad = sharded_grad
+        else:
+            param.grad += sharded_grad
+
+    def zero_sharded_padding_(self) -> None:
+        pad_start, pad_end = self.layout.local_padding_bounds(self.comm.shard_rank)
+        if pad_end > pad_start and "padding_garbage_at_init" not in self.comm.faults:
+            with torch.no_grad():
+                self.sharded[pad_start:pad_end].zero_()
+
+    def has_pending_unsharded_grad(self) -> bool:
+        return self._leaf is not None and self._leaf.grad is not None
+
+    # -- full tensors ----------------------------------------------------------------------------
+    def gather_full(self) -> list[torch.Tensor]:
+        """Full (unpadded) tensors of every slot, gathered in the sharded dtype; a collective."""
+        sharded = self.sharded.detach()
+        padded = sharded.new_empty(self.layout.padded_numel)
+        all_gather_into(padded, sharded, self.comm.shard_group)
+        return [v.clone() for v in unflatten_views(padded, self.layout)]
+
+    def load_full(self, full_tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            local = self.init_sharded_from(
+                [t.to(self.sharded.dtype) for t in full_tensors]
+            )
+            self.sharded.copy_(local.to(self.sharded.device))
+        self.reshard()
+
+    def local_shard_view(self, padded: torch.Tensor) -> torch.Tensor:
+        return shard_of(padded, self.layout, self.comm.shard_rank)
