@@ -230,9 +230,10 @@ class FlatParamHandle:
         return self._leaf is not None and self._leaf.grad is not None
 
     # -- full tensors ----------------------------------------------------------------------------
-    def gather_full(self) -> list[torch.Tensor]:
-        """Full (unpadded) tensors of every slot, gathered in the sharded dtype; a collective."""
-        sharded = self.sharded.detach()
+    def gather_full(self, sharded: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Full (unpadded) tensors of every slot from this rank's shard of the flat parameter
+        (or of `sharded`, e.g. its gradient), in the sharded dtype; a collective."""
+        sharded = self.sharded.detach() if sharded is None else sharded
         padded = sharded.new_empty(self.layout.padded_numel)
         all_gather_into(padded, sharded, self.comm.shard_group)
         return [v.clone() for v in unflatten_views(padded, self.layout)]

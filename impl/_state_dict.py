@@ -8,9 +8,12 @@ pre-hook slices this rank's shard out of the full tensors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
+from impl._flat_param import FlatLayout
 from impl._unit import FSDPUnit
 
 
@@ -108,3 +111,65 @@ def init_meta_module(model: nn.Module, device: torch.device | str = "cpu") -> nn
             f"Fix: give their module a reset_parameters() or load a full state dict instead."
         )
     return model
+
+
+def full_grad_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full averaged gradients under the plain model's names, on every rank (a collective).
+
+    Parameters whose gradient is None are left out, as `p.grad is None` would be in the plain
+    model; a flat parameter with a gradient reports every slot (zeros where nothing flowed).
+    """
+    grads: dict[str, torch.Tensor] = {}
+    for fqn, module in model.named_modules():
+        unit = module.__dict__.get("_fsdp_unit")
+        prefix = f"{fqn}." if fqn else ""
+        for name, param in module._parameters.items():
+            if param is None or param.grad is None:
+                continue
+            handle = next((h for h in unit.handles if h.param_name == name), None) if unit else None
+            if handle is None:
+                grads[prefix + name] = param.grad.detach().clone()
+                continue
+            for slot, full in zip(handle.layout.slots, handle.gather_full(param.grad.detach())):
+                for tied in slot.fqns:
+                    grads[prefix + tied] = full
+    return grads
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """One rank's raw shard of one flat parameter, padding included, and where things lie in it."""
+
+    unit_fqn: str
+    param_name: str
+    rank: int
+    world_size: int
+    layout: FlatLayout
+    data: torch.Tensor  # (shard_numel,), a detached clone
+    grad: torch.Tensor | None
+
+    @property
+    def padding(self) -> torch.Tensor:
+        start, end = self.layout.local_padding_bounds(self.rank)
+        return self.data[start:end]
+
+
+def local_shards(model: nn.Module) -> list[LocalShard]:
+    """This rank's raw flat-parameter shards (no collective)."""
+    shards = []
+    for fqn, module in model.named_modules():
+        unit = module.__dict__.get("_fsdp_unit")
+        for handle in unit.handles if unit else ():
+            param = handle.sharded.detach()
+            shards.append(
+                LocalShard(
+                    unit_fqn=fqn,
+                    param_name=handle.param_name,
+                    rank=handle.comm.shard_rank,
+                    world_size=handle.comm.shard_world_size,
+                    layout=handle.layout,
+                    data=param.clone(),
+                    grad=None if handle.sharded.grad is None else handle.sharded.grad.detach().clone(),
+                )
+            )
+    return shards
