@@ -43,7 +43,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        # No bias: a key bias has an analytically zero gradient (softmax is shift-invariant), so its
+        # computed gradient is pure rounding noise, which Adam normalises into +-lr updates whose
+        # sign no reduction order can reproduce. Such a parameter is unverifiable, not wrong.
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
