@@ -1,0 +1,70 @@
+"""ours vs the plain model under torchrun with gloo at W = 2, 4, 8 (slow tier).
+
+One launch per world size runs every check (see tests/rank_scripts/impl_equivalence.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "rank_scripts" / "impl_equivalence.py"
+pytestmark = pytest.mark.slow
+
+
+def launch(world_size: int, out_dir: Path) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world_size}", str(SCRIPT), str(out_dir)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"W={world_size} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8])
+def ranks(request, tmp_path_factory):
+    return launch(request.param, tmp_path_factory.mktemp(f"w{request.param}"))
+
+
+def test_threads_pinned(ranks):
+    assert {r["threads"] for r in ranks} == {1}
+
+
+def test_identical_data_bitwise_at_w2_w4(ranks):
+    if ranks[0]["world_size"] == 8:
+        pytest.skip("gloo's 8-way reduce-scatter of identical values is not exact (1 ulp): see the tolerance test")
+    for result in ranks[0]["results"]:
+        if result["case"].endswith("identical"):
+            assert result["max_param_diff"] == 0.0, result
+            assert result["max_loss_diff"] == 0.0, result
+
+
+def test_sgd_within_derived_tolerance(ranks):
+    # AdamW is left to the harness, whose per-step gradient checks bound it: Adam divides by
+    # sqrt(v), so the relative error of a cancelled (small) gradient reaches the parameter
+    # undamped, and the one-ulp-per-step model below does not apply to it.
+    for rank in ranks:
+        for result in rank["results"]:
+            if "/sgd/" in result["case"]:
+                assert result["max_diff_over_tol"] <= 1.0, (rank["world_size"], result)
+
+
+def test_padding_stays_zero(ranks):
+    for rank in ranks:
+        for result in rank["results"]:
+            assert result["padding_nonzero"] == 0, (rank["rank"], result)
+
+
+def test_sharded_state_bytes_within_one_percent(ranks):
+    for rank in ranks:
+        mem = rank["memory"]
+        world_size = rank["world_size"]
+        print(f"W={world_size} rank {rank['rank']}: sharded params+grads+AdamW state "
+              f"{mem['measured_bytes']} B vs (total + padding) / W = {mem['ideal_bytes']:.0f} B "
+              f"(unsharded total {mem['unsharded_state_bytes']} B, ratio {mem['ratio']:.4f})")
+        assert abs(mem["ratio"] - 1.0) <= 0.01, mem
