@@ -1,0 +1,184 @@
+"""The case catalog: frozen, validated descriptions of what a harness cell trains.
+
+A case names a model factory, the sub-modules wrapped (in order) before the root, a data
+generator, a loss, the optimizers it is trained with, and which world sizes and data modes make
+sense for it. It imports torch and cases/ only: the harness decides how to run it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cases.data import DATA_MODES, Batch, regression_batch, token_batch
+from cases.models import MLP, TransformerConfig, TransformerLM, lm_loss
+
+OPTIMIZER_KINDS = ("sgd", "adamw")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One optimizer configuration. foreach=False: the per-tensor loop applies the same
+    elementwise arithmetic to a flat shard as to the full tensor (see docs/error_model.md)."""
+
+    kind: str
+    lr: float
+    momentum: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in OPTIMIZER_KINDS:
+            raise ValueError(f"OptimizerSpec kind={self.kind!r} is not one of {OPTIMIZER_KINDS}")
+        if not self.lr > 0:
+            raise ValueError(f"OptimizerSpec kind={self.kind} lr={self.lr} must be > 0")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"OptimizerSpec kind={self.kind} momentum={self.momentum} must be in [0, 1)")
+        if self.kind == "adamw" and not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1 and self.eps > 0):
+            raise ValueError(f"OptimizerSpec adamw betas={self.betas} eps={self.eps} out of range")
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    def build(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+        if self.kind == "sgd":
+            return torch.optim.SGD(
+                params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, foreach=False
+            )
+        return torch.optim.AdamW(
+            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, foreach=False
+        )
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    description: str
+    build_model: Callable[[], nn.Module]
+    wrap: tuple[str, ...]  # sub-module paths wrapped before the root, in this order
+    make_batch: Callable[[int, int, int], Batch]  # (seed, step, global_batch) -> (inputs, targets)
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a mean over every term
+    terms_per_sample: int  # loss terms one sample contributes (tokens for an LM); see error model
+    extra_accumulation: int  # accumulation length of ops that are not modules (attention matmuls)
+    optimizers: tuple[OptimizerSpec, ...]
+    steps: int = 5
+    global_batch: int = 8
+    data_modes: tuple[str, ...] = DATA_MODES
+    world_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    tolerance_scale: float = 1.0
+    seed: int = 0
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").isalnum():
+            raise ValueError(f"Case name={self.name!r} must be a non-empty identifier")
+        if not self.optimizers:
+            raise ValueError(f"case={self.name}: needs at least one optimizer")
+        kinds = [o.kind for o in self.optimizers]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"case={self.name}: optimizer kinds {kinds} must be distinct")
+        for name, value in (("steps", self.steps), ("global_batch", self.global_batch),
+                            ("terms_per_sample", self.terms_per_sample),
+                            ("extra_accumulation", self.extra_accumulation + 1)):
+            if value < 1:
+                raise ValueError(f"case={self.name}: {name}={value} must be >= 1")
+        bad_modes = sorted(set(self.data_modes) - set(DATA_MODES))
+        if bad_modes or not self.data_modes:
+            raise ValueError(f"case={self.name}: data_modes={self.data_modes} must be a non-empty subset of {DATA_MODES}")
+        if not self.world_sizes or min(self.world_sizes) < 1:
+            raise ValueError(f"case={self.name}: world_sizes={self.world_sizes} must all be >= 1")
+        if "split" in self.data_modes:
+            bad = [w for w in self.world_sizes if self.global_batch % w]
+            if bad:
+                raise ValueError(
+                    f"case={self.name}: global_batch={self.global_batch} does not divide by "
+                    f"world sizes {bad} allowed in split mode"
+                )
+        if not self.tolerance_scale >= 1.0:
+            raise ValueError(
+                f"case={self.name}: tolerance_scale={self.tolerance_scale} must be >= 1 (a case may "
+                f"widen the error model for a documented reason, never tighten it below the bound)"
+            )
+
+    def accumulation_length(self) -> int:
+        """Terms a rounding error of one sample's forward and backward can come from (see
+        docs/error_model.md): per Linear in_features (forward dot products) + out_features
+        (backward), per LayerNorm 4 x its size (mean and variance, forward and backward), plus
+        `extra_accumulation` for functional ops such as attention scores."""
+        total = self.extra_accumulation
+        for module in self.build_model().modules():
+            if isinstance(module, nn.Linear):
+                total += module.in_features + module.out_features
+            elif isinstance(module, nn.LayerNorm):
+                total += 4 * math.prod(module.normalized_shape)
+        return total
+
+    def optimizer(self, kind: str) -> OptimizerSpec:
+        for spec in self.optimizers:
+            if spec.kind == kind:
+                return spec
+        raise ValueError(f"case={self.name}: no optimizer kind={kind!r}; has {[o.kind for o in self.optimizers]}")
+
+
+_STANDARD_OPTIMIZERS = (
+    OptimizerSpec("sgd", lr=0.05, momentum=0.9),
+    OptimizerSpec("adamw", lr=1e-3, weight_decay=0.01),
+)
+
+# Flat parameters of the MLP (one per wrapped layer; the root owns layers.3):
+#   layers.0: 31*13 + 31 = 434 (uneven at W = 4, 8), layers.1: 17*31 + 17 = 544 (even),
+#   layers.2: 2*17 + 2 = 36 (uneven at W = 8), layers.3: 1*2 + 1 = 3 (< W: empty local shards).
+_MLP_SIZES = (13, 31, 17, 2, 1)
+_LM_CONFIG = TransformerConfig()
+
+
+def _mlp() -> nn.Module:
+    return MLP(_MLP_SIZES)
+
+
+def _transformer() -> nn.Module:
+    return TransformerLM(_LM_CONFIG)
+
+
+CASES: dict[str, Case] = {
+    case.name: case
+    for case in (
+        Case(
+            name="mlp",
+            description=f"MLP{_MLP_SIZES}, MSE regression; even, uneven and empty local shards",
+            build_model=_mlp,
+            wrap=("layers.0", "layers.1", "layers.2"),
+            make_batch=regression_batch(_MLP_SIZES[0], _MLP_SIZES[-1]),
+            loss_fn=F.mse_loss,
+            terms_per_sample=_MLP_SIZES[-1],
+            extra_accumulation=0,
+            optimizers=_STANDARD_OPTIMIZERS,
+        ),
+        Case(
+            name="transformer",
+            description=f"causal LM {_LM_CONFIG}: embeddings, attention, norms, MLP, head",
+            build_model=_transformer,
+            wrap=tuple(f"blocks.{i}" for i in range(_LM_CONFIG.n_layer)),
+            make_batch=token_batch(_LM_CONFIG.vocab_size, _LM_CONFIG.block_size),
+            loss_fn=lm_loss,
+            terms_per_sample=_LM_CONFIG.block_size,
+            # q @ k^T sums over head_dim, att @ v over block_size; forward and backward, per layer.
+            extra_accumulation=_LM_CONFIG.n_layer * 2 * (_LM_CONFIG.n_embd // _LM_CONFIG.n_head + _LM_CONFIG.block_size),
+            optimizers=_STANDARD_OPTIMIZERS,
+        ),
+    )
+}
+
+
+def get_case(name: str) -> Case:
+    try:
+        return CASES[name]
+    except KeyError:
+        raise ValueError(f"unknown case {name!r}; known cases: {sorted(CASES)}") from None

@@ -1,0 +1,223 @@
+"""Implementations under test, behind one adapter interface.
+
+Built in: `ours` (impl/), `fsdp2` (torch.distributed.fsdp.fully_shard), `ddp`
+(DistributedDataParallel) and `single` (the plain module, no process group: the reference).
+A user's implementation needs no edit here: pass `--impls my_pkg.my_mod:MyAdapter` or
+`--impls path/to/file.py:MyAdapter`, naming a class (or instance) that satisfies `Adapter`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class RankContext:
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup | None  # None: no process group (W = 1, impl=single)
+
+
+@dataclass(frozen=True)
+class RawShard:
+    """One rank's raw shard of one flat parameter, padding included (for the padding check)."""
+
+    key: str  # '<unit fqn>/<flat param name>'
+    data: torch.Tensor  # (shard_numel,)
+    grad: torch.Tensor | None  # (shard_numel,) or None
+    padding_bounds: tuple[int, int]  # [start, end) inside the shard
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    name: str
+    needs_process_group: bool
+
+    def wrap(self, model: nn.Module, wrap_paths: tuple[str, ...], ctx: RankContext,
+             faults: frozenset[str]) -> nn.Module:
+        """Shard/wrap `model` (already holding the reference initial state) for training."""
+
+    def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full parameters under the plain model's names (a collective; every rank calls it)."""
+
+    def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full averaged gradients under the plain model's names (after backward, a collective)."""
+
+    def layouts(self, model: nn.Module) -> dict[str, dict]:
+        """Per parameter name, how its elements map to ranks (see snapshot.py, 'layouts')."""
+
+    def raw_shards(self, model: nn.Module) -> list[RawShard]:
+        """This rank's raw padded shards (no collective); [] when the impl exposes none."""
+
+
+class Ours:
+    name = "ours"
+    needs_process_group = True
+
+    def wrap(self, model, wrap_paths, ctx, faults):
+        from impl import fully_shard
+
+        for path in wrap_paths:
+            fully_shard(model.get_submodule(path), process_group=ctx.group, _faults=faults)
+        return fully_shard(model, process_group=ctx.group, _faults=faults)
+
+    def full_params(self, model):
+        from impl import full_state_dict
+
+        return full_state_dict(model)
+
+    def full_grads(self, model):
+        from impl import full_grad_dict
+
+        return full_grad_dict(model)
+
+    def layouts(self, model):
+        from impl import local_shards
+
+        out = {}
+        for shard in local_shards(model):
+            layout = shard.layout
+            for slot in layout.slots:
+                for fqn in slot.fqns:
+                    name = f"{shard.unit_fqn}.{fqn}" if shard.unit_fqn else fqn
+                    out[name] = {
+                        "kind": "flat",
+                        "unit": shard.unit_fqn or "<root>",
+                        "offset": slot.offset,
+                        "shard_numel": layout.shard_numel,
+                        "unpadded_numel": layout.unpadded_numel,
+                        "world_size": layout.world_size,
+                    }
+        return out
+
+    def raw_shards(self, model):
+        from impl import local_shards
+
+        return [
+            RawShard(
+                key=f"{s.unit_fqn or '<root>'}/{s.param_name}",
+                data=s.data,
+                grad=s.grad,
+                padding_bounds=tuple(s.layout.local_padding_bounds(s.rank)),
+            )
+            for s in local_shards(model)
+        ]
+
+
+class FSDP2:
+    name = "fsdp2"
+    needs_process_group = True
+
+    def wrap(self, model, wrap_paths, ctx, faults):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(ctx.group, "cpu")
+        for path in wrap_paths:
+            fully_shard(model.get_submodule(path), mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    def full_params(self, model):
+        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+    def full_grads(self, model):
+        return {n: p.grad.full_tensor().detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def layouts(self, model):
+        out = {}
+        for name, p in model.named_parameters():
+            rows = p.size(0) if p.dim() else 1
+            world_size = p.device_mesh.size()
+            out[name] = {"kind": "dim0", "rows": rows, "chunk_rows": math.ceil(rows / world_size),
+                         "world_size": world_size}
+        return out
+
+    def raw_shards(self, model):
+        return []
+
+
+class DDP:
+    name = "ddp"
+    needs_process_group = True
+
+    def wrap(self, model, wrap_paths, ctx, faults):
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, process_group=ctx.group)
+
+    def full_params(self, model):
+        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+    def full_grads(self, model):
+        return {n: p.grad.detach().clone() for n, p in model.module.named_parameters() if p.grad is not None}
+
+    def layouts(self, model):
+        return {n: {"kind": "replicated"} for n, _ in model.module.named_parameters()}
+
+    def raw_shards(self, model):
+        return []
+
+
+class Single:
+    name = "single"
+    needs_process_group = False
+
+    def wrap(self, model, wrap_paths, ctx, faults):
+        return model
+
+    def full_params(self, model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def full_grads(self, model):
+        return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def layouts(self, model):
+        return {n: {"kind": "replicated"} for n, _ in model.named_parameters()}
+
+    def raw_shards(self, model):
+        return []
+
+
+BUILTIN_IMPLS: dict[str, type] = {"ours": Ours, "fsdp2": FSDP2, "ddp": DDP, "single": Single}
+
+
+def resolve_impl(spec: str) -> Adapter:
+    """A built-in name, or 'module.path:attr' / 'path/to/file.py:attr' naming an Adapter."""
+    if spec in BUILTIN_IMPLS:
+        return BUILTIN_IMPLS[spec]()
+    if ":" not in spec:
+        raise ValueError(
+            f"unknown impl {spec!r}; built-in: {sorted(BUILTIN_IMPLS)}, or give 'module:Class' / 'file.py:Class'"
+        )
+    target, attr = spec.rsplit(":", 1)
+    try:
+        if target.endswith(".py"):
+            path = Path(target).resolve()
+            if not path.is_file():
+                raise ValueError(f"impl {spec!r}: no file {path}")
+            mod_name = "harness_user_impl_" + "".join(c if c.isalnum() else "_" for c in str(path))
+            module_spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ImportError as e:
+        raise ValueError(f"impl {spec!r}: cannot import {target!r}: {e}") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise ValueError(f"impl {spec!r}: {target!r} has no attribute {attr!r}")
+    adapter = obj() if isinstance(obj, type) else obj
+    if not isinstance(adapter, Adapter):
+        missing = [m for m in ("name", "needs_process_group", "wrap", "full_params", "full_grads", "layouts",
+                               "raw_shards") if not hasattr(adapter, m)]
+        raise ValueError(f"impl {spec!r} does not satisfy harness.impls.Adapter; missing {missing}")
+    return adapter

@@ -1,0 +1,106 @@
+"""The parent process of a run: initial states, one launch per world size, then diff and report.
+
+A launch that crashes or hangs costs only the cell it was running: the cells of that world size
+that never started are launched again without it, so every other cell still gets its verdict.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from cases.catalog import get_case
+from harness.launch import LaunchResult, launch
+from harness.plan import Cell, RunPlan
+from harness.snapshot import save_state, snapshot_path
+
+
+@dataclass
+class RunOutcome:
+    plan: RunPlan
+    launches: list[LaunchResult] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)  # cell_id -> why it has no snapshots
+    wall_s: float = 0.0
+
+
+def write_init_states(plan: RunPlan) -> None:
+    """One reference initial state per case; every world size and impl loads this same state."""
+    for case_name in sorted({c.case for c in plan.cells + plan.references}):
+        case = get_case(case_name)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(case.seed)
+            model = case.build_model()
+        save_state(plan.init_dir / f"{case.name}.pt", model.state_dict())
+
+
+def cell_done(plan: RunPlan, cell: Cell) -> bool:
+    case = get_case(cell.case)
+    return all(snapshot_path(plan.snapshot_dir, cell.cell_id, o.kind).exists() for o in case.optimizers)
+
+
+class Progress:
+    """'cells done / total, current world size' on stderr, rewritten in place on a terminal."""
+
+    def __init__(self, plan: RunPlan, stream=sys.stderr) -> None:
+        self.plan = plan
+        self.all_cells = plan.references + plan.cells
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last = ""
+        self.start = time.monotonic()
+
+    def update(self, world_size: int) -> None:
+        done = sum(cell_done(self.plan, c) for c in self.all_cells)
+        line = (f"[harness] {done}/{len(self.all_cells)} cells done, running W={world_size}, "
+                f"{time.monotonic() - self.start:.0f}s")
+        if line.split(",")[:2] != self.last.split(",")[:2]:
+            self.stream.write(("\r" + line) if self.tty else (line + "\n"))
+            self.stream.flush()
+        self.last = line
+
+    def finish(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+
+
+def _launch_groups(plan: RunPlan, world_size: int) -> list[tuple[Cell, ...]]:
+    cells = plan.cells_for(world_size)
+    if plan.launch_per_cell:
+        return [(c,) for c in cells]
+    return [cells] if cells else []
+
+
+def run_plan(plan: RunPlan, progress: Progress | None = None,
+             on_launch: Callable[[LaunchResult], None] | None = None) -> RunOutcome:
+    start = time.monotonic()
+    outcome = RunOutcome(plan)
+    write_init_states(plan)
+    for world_size in plan.world_sizes:
+        for group in _launch_groups(plan, world_size):
+            pending = [c for c in group if not cell_done(plan, c)]
+            attempt = 0
+            while pending:
+                label = f"w{world_size}-{pending[0].cell_id}-{attempt}" if plan.launch_per_cell else f"w{world_size}-{attempt}"
+                poll = (lambda w=world_size: progress.update(w)) if progress else None
+                result = launch(plan, world_size, tuple(pending), label, on_poll=poll)
+                outcome.launches.append(result)
+                if on_launch is not None:
+                    on_launch(result)
+                remaining = [c for c in pending if not cell_done(plan, c)]
+                if result.ok or not remaining:
+                    for cell in remaining:  # exited 0 yet wrote nothing: a worker bug
+                        outcome.errors[cell.cell_id] = f"launch W={world_size} exited 0 without a snapshot"
+                    break
+                culprit, pending = remaining[0], remaining[1:]
+                outcome.errors[culprit.cell_id] = result.failure_text()
+                attempt += 1
+    if progress is not None:
+        progress.update(plan.world_sizes[-1])
+        progress.finish()
+    outcome.wall_s = time.monotonic() - start
+    return outcome

@@ -1,0 +1,227 @@
+"""The run plan: cases x impls x world sizes x data modes -> validated, frozen Cells.
+
+Everything a rank needs is in the Cell it is handed (serialised into the launch's plan file);
+a worker reads no other configuration. Every check here runs before any rank is started, so a
+bad request fails with one clear line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cases.catalog import CASES, get_case
+from cases.data import DATA_MODES
+
+REFERENCE_IMPL = "single"
+DEFAULT_CASES = ("mlp", "transformer")
+DEFAULT_IMPLS = ("ours", "fsdp2")
+DEFAULT_WORLD_SIZES = (1, 2, 4, 8)
+DEFAULT_DATA_MODES = DATA_MODES
+
+
+class PlanError(ValueError):
+    """A bad request (unknown name, impossible combination, unusable output directory)."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (case, impl, world size, data mode); it trains once per optimizer of the case."""
+
+    case: str
+    impl: str  # a registered name or an import spec 'module:attr' / 'path/file.py:attr'
+    world_size: int
+    data_mode: str
+    steps: int
+    faults: tuple[str, ...] = ()
+    is_reference: bool = False
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise PlanError(f"Cell world_size={self.world_size} must be >= 1")
+        if self.data_mode not in DATA_MODES:
+            raise PlanError(f"Cell data_mode={self.data_mode!r} is not one of {DATA_MODES}")
+        if self.steps < 1:
+            raise PlanError(f"Cell steps={self.steps} must be >= 1")
+
+    @property
+    def impl_label(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_]+", "_", self.impl.rsplit(":", 1)[-1])
+
+    @property
+    def cell_id(self) -> str:
+        if self.is_reference:
+            return f"ref.{self.case}"
+        return f"{self.case}.{self.impl_label}.w{self.world_size}.{self.data_mode}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Cell:
+        return cls(**{**d, "faults": tuple(d.get("faults", ()))})
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    cells: tuple[Cell, ...]  # the cells under test
+    references: tuple[Cell, ...]  # one per case: impl=single at W = 1
+    out_dir: Path
+    timeout_s: float  # per launch (one launch per world size)
+    threads: int = 1  # intra-op threads in every rank, equal at every world size
+    launch_per_cell: bool = False  # one torchrun per cell: only to measure what batching saves
+    extra_pythonpath: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def world_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({1} | {c.world_size for c in self.cells}))
+
+    def cells_for(self, world_size: int) -> tuple[Cell, ...]:
+        refs = self.references if world_size == 1 else ()
+        return refs + tuple(c for c in self.cells if c.world_size == world_size)
+
+    @property
+    def snapshot_dir(self) -> Path:
+        return self.out_dir / "snapshots"
+
+    @property
+    def init_dir(self) -> Path:
+        return self.out_dir / "init"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.out_dir / "logs"
+
+
+def parse_csv(value: str, what: str) -> tuple[str, ...]:
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not items:
+        raise PlanError(f"--{what} is empty")
+    if len(set(items)) != len(items):
+        raise PlanError(f"--{what}={value} repeats an entry")
+    return items
+
+
+def parse_world_sizes(value: str) -> tuple[int, ...]:
+    sizes = []
+    for item in parse_csv(value, "world-sizes"):
+        try:
+            size = int(item)
+        except ValueError:
+            raise PlanError(f"--world-sizes: {item!r} is not an integer") from None
+        if size < 1:
+            raise PlanError(f"--world-sizes: world_size={size} must be >= 1")
+        sizes.append(size)
+    return tuple(sorted(sizes))
+
+
+def build_plan(
+    *,
+    cases: tuple[str, ...] = DEFAULT_CASES,
+    impls: tuple[str, ...] = DEFAULT_IMPLS,
+    world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES,
+    data_modes: tuple[str, ...] = DEFAULT_DATA_MODES,
+    steps: int | None = None,
+    timeout_s: float = 600.0,
+    out_dir: str | Path = "reports",
+    faults: tuple[str, ...] = (),
+    threads: int = 1,
+    launch_per_cell: bool = False,
+) -> RunPlan:
+    from harness.impls import resolve_impl  # imports torch; kept out of plain Cell use
+
+    for name in cases:
+        try:
+            get_case(name)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+    for mode in data_modes:
+        if mode not in DATA_MODES:
+            raise PlanError(f"unknown data mode {mode!r}; known: {list(DATA_MODES)}")
+    for w in world_sizes:
+        if w < 1:
+            raise PlanError(f"world_size={w} must be >= 1")
+    if steps is not None and steps < 1:
+        raise PlanError(f"--steps={steps} must be >= 1")
+    if not timeout_s > 0:
+        raise PlanError(f"--timeout={timeout_s} must be > 0 seconds")
+    if threads < 1:
+        raise PlanError(f"threads={threads} must be >= 1")
+    extra_paths = []
+    for impl in impls:
+        try:
+            adapter = resolve_impl(impl)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        if not adapter.needs_process_group and any(w != 1 for w in world_sizes):
+            raise PlanError(
+                f"impl={impl} runs without a process group, so only at world_size=1; "
+                f"got world sizes {list(world_sizes)}"
+            )
+        if impl.split(":")[0].endswith(".py"):
+            extra_paths.append(str(Path(impl.split(":")[0]).resolve().parent))
+    if faults:
+        if "ours" not in impls:
+            raise PlanError(f"--faults {list(faults)} only apply to impl=ours; impls={list(impls)}")
+        from impl import FAULTS
+
+        unknown = sorted(set(faults) - set(FAULTS))
+        if unknown:
+            raise PlanError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
+
+    cells = []
+    for case_name in cases:
+        case = get_case(case_name)
+        for w in world_sizes:
+            if w not in case.world_sizes:
+                raise PlanError(f"case={case_name} does not run at world_size={w}; its world sizes: {list(case.world_sizes)}")
+            for mode in data_modes:
+                if mode not in case.data_modes:
+                    raise PlanError(f"case={case_name} has no data mode {mode!r}; its modes: {list(case.data_modes)}")
+                if mode == "split" and case.global_batch % w:
+                    raise PlanError(
+                        f"case={case_name}: global_batch={case.global_batch} does not divide by "
+                        f"world_size={w} in split mode"
+                    )
+                for impl in impls:
+                    cells.append(Cell(case_name, impl, w, mode, steps or case.steps,
+                                      faults=tuple(sorted(faults)) if impl == "ours" else ()))
+    references = tuple(
+        Cell(name, REFERENCE_IMPL, 1, "identical", steps or get_case(name).steps, is_reference=True)
+        for name in cases
+    )
+    out = Path(out_dir)
+    check_writable(out)
+    return RunPlan(tuple(cells), references, out, float(timeout_s), threads, launch_per_cell,
+                   tuple(dict.fromkeys(extra_paths)))
+
+
+def check_writable(out: Path) -> None:
+    """Create `out` (and its parents) and prove a file can be written there."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PlanError(f"--out={out} is not writable: {e.strerror or e}") from None
+
+
+def write_launch_plan(path: Path, plan: RunPlan, world_size: int, cells: tuple[Cell, ...]) -> None:
+    """The file a launch's ranks read: only what they need, as JSON (never pickled)."""
+    payload = {
+        "world_size": world_size,
+        "threads": plan.threads,
+        "init_dir": str(plan.init_dir.resolve()),
+        "snapshot_dir": str(plan.snapshot_dir.resolve()),
+        "cells": [c.to_json() for c in cells],
+    }
+    path.write_text(json.dumps(payload, indent=1))
+
+
+def all_case_names() -> list[str]:
+    return sorted(CASES)

@@ -1,0 +1,77 @@
+"""Snapshots on disk: one file per (cell, optimizer), written by rank 0, read by the parent.
+
+Format (`FORMAT`), a `torch.save` of plain containers that `torch.load(weights_only=True)`
+accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is ever unpickled.
+
+    {"format": FORMAT, "cell": Cell.to_json(), "optimizer": "sgd" | "adamw", "world_size": W,
+     "layouts": {param name: {"kind": "flat", "unit", "offset", "shard_numel", "unpadded_numel",
+                              "world_size"} | {"kind": "dim0", "rows", "chunk_rows", "world_size"}
+                             | {"kind": "replicated"}},
+     "init": {"params": {name: tensor}},             # full parameters right after wrapping
+     "steps": [{"step": t (1-based),
+                "loss": (W,) tensor,                   # each rank's local loss
+                "grads": {name: tensor},               # full averaged gradients, before the step
+                "params": {name: tensor},              # full parameters, after the step
+                "shards": {key: (W, shard_numel)},     # raw local shards (padding included)
+                "shard_grads": {key: (W, shard_numel)},
+                "padding_bounds": {key: [[start, end] per rank]},
+                "shadow": {"loss": () tensor, "grads": {...}, "abs_grads": {...},
+                           "params": {...}, "state": {name: {state key: tensor}}}}]}
+
+The shadow is the plain model, on rank 0, stepped from this cell's own parameters of the
+previous step on the global batch: the per-step reference of the error model
+(docs/error_model.md). `abs_grads` is mean over samples of |per-sample gradient|.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+FORMAT = "fsdp-equiv-snapshot/1"
+
+
+def snapshot_path(snapshot_dir: Path, cell_id: str, optimizer: str) -> Path:
+    return Path(snapshot_dir) / cell_id / f"{optimizer}.pt"
+
+
+def write_atomic_bytes(path: Path, write) -> None:
+    """Write through a temporary file in the same directory, then rename over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_atomic_text(path: Path, text: str) -> None:
+    write_atomic_bytes(path, lambda f: f.write(text.encode()))
+
+
+def save_snapshot(path: Path, snapshot: dict) -> None:
+    assert snapshot.get("format") == FORMAT
+    write_atomic_bytes(path, lambda f: torch.save(snapshot, f))
+
+
+def load_snapshot(path: Path) -> dict:
+    snapshot = torch.load(path, weights_only=True, map_location="cpu")
+    if not isinstance(snapshot, dict) or snapshot.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} snapshot (format={snapshot.get('format') if isinstance(snapshot, dict) else type(snapshot).__name__})")
+    return snapshot
+
+
+def save_state(path: Path, state: dict[str, torch.Tensor]) -> None:
+    write_atomic_bytes(path, lambda f: torch.save({k: v.detach().clone() for k, v in state.items()}, f))
+
+
+def load_state(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True, map_location="cpu")
