@@ -18,9 +18,22 @@ from impl._state_dict import (
     load_full_state_dict,
     local_shards,
 )
-from impl.api import FSDPModule, MixedPrecisionPolicy, fully_shard, units
+from impl.api import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, units
+from impl._checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from impl._clip import clip_grad_norm_
+from impl._wrap import AnyPolicy, ModuleClassPolicy, SizePolicy, auto_wrap
+from impl._zero1 import ZeroRedundancyOptimizer
 
 __all__ = [
+    "AnyPolicy",
+    "ModuleClassPolicy",
+    "OffloadPolicy",
+    "SizePolicy",
+    "ZeroRedundancyOptimizer",
+    "auto_wrap",
+    "clip_grad_norm_",
+    "load_sharded_checkpoint",
+    "save_sharded_checkpoint",
     "FAULTS",
     "CommStats",
     "FSDPModule",

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; torch 2.4 only has the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommStats:
@@ -40,14 +44,15 @@ def all_gather_into(
     sharded: torch.Tensor,
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
-) -> None:
+    async_op: bool = False,
+) -> dist.Work | None:
     """padded_unsharded <- concat over ranks of `sharded`, in rank order."""
     if group is None:
         padded_unsharded.copy_(sharded)
-        return
-    dist.all_gather_into_tensor(padded_unsharded, sharded, group=group)
+        return None
     if stats is not None:
         stats.add("all_gather", padded_unsharded)
+    return _all_gather_tensor(padded_unsharded, sharded, group=group, async_op=async_op)
 
 
 def reduce_scatter_sum(
@@ -60,7 +65,7 @@ def reduce_scatter_sum(
     if group is None:
         sharded_out.copy_(padded_unsharded)
         return
-    dist.reduce_scatter_tensor(sharded_out, padded_unsharded, op=dist.ReduceOp.SUM, group=group)
+    _reduce_scatter_tensor(sharded_out, padded_unsharded, op=dist.ReduceOp.SUM, group=group)
     if stats is not None:
         stats.add("reduce_scatter", padded_unsharded)
 

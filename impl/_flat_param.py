@@ -27,7 +27,7 @@ def shard_numel_for(unpadded_numel: int, world_size: int) -> int:
         raise ValueError(f"world_size={world_size} must be >= 1")
     if unpadded_numel < 0:
         raise ValueError(f"unpadded_numel={unpadded_numel} must be >= 0")
-    return math.ceil(unpadded_numel / world_size)
+    return -(-unpadded_numel // world_size)  # integer ceil: float division rounds past 2**53
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class CommConfig:
     reduce_dtype: torch.dtype | None
     faults: frozenset[str]
     stats: CommStats | None
+    compute_device: torch.device | None = None  # set by CPU offload: shards live on the CPU
 
     @property
     def data_parallel_size(self) -> int:
@@ -74,6 +75,7 @@ class FlatParamHandle:
         self.state = HandleState.SHARDED
         self._leaf: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
+        self._pending: tuple | None = None  # (work, input) of an all-gather in flight
         self.sync_grads = True  # False: keep accumulating the unsharded gradient (no_sync)
 
     # -- layout -------------------------------------------------------------------------------
@@ -92,6 +94,7 @@ class FlatParamHandle:
         return (
             c.shard_world_size == 1
             and c.replicate_group is None
+            and c.compute_device in (None, self.sharded.device)
             and c.param_dtype in (None, self.sharded.dtype)
             and c.reduce_dtype in (None, self.sharded.dtype)
         )
@@ -131,33 +134,49 @@ class FlatParamHandle:
         if self._aliased:
             return sharded
         leaf = self._leaf
-        if leaf is None or leaf.device != sharded.device or leaf.dtype != self.compute_dtype:
-            leaf = torch.empty(
-                self.layout.padded_numel, dtype=self.compute_dtype, device=sharded.device
-            )
+        device = self.comm.compute_device or sharded.device
+        if leaf is None or leaf.device != device or leaf.dtype != self.compute_dtype:
+            leaf = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=device)
             leaf.requires_grad_(self.requires_grad)
             if self.requires_grad:
                 leaf.register_post_accumulate_grad_hook(self._post_accumulate_grad)
             self._leaf = leaf
         return leaf
 
-    def unshard(self) -> None:
-        """All-gather the padded flat parameter into the unsharded leaf (no-op if unsharded)."""
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather the padded flat parameter into the unsharded leaf (no-op if unsharded).
+
+        async_op=True starts the all-gather and returns (a prefetch); the next unshard() waits.
+        """
         if self.state == HandleState.UNSHARDED:
             return
+        if self._pending is not None:
+            if not async_op:
+                self._finish_unshard()
+            return
         leaf = self._ensure_leaf()
+        work, sharded = None, None
         if leaf is not self.sharded:
             storage = leaf.untyped_storage()
             nbytes = leaf.numel() * leaf.element_size()
             if storage.size() != nbytes:
                 storage.resize_(nbytes)
             sharded = self.sharded.detach()
-            if sharded.dtype != leaf.dtype:
-                sharded = sharded.to(leaf.dtype)
-            out = leaf.data
-            all_gather_into(out, sharded, self.comm.shard_group, self.comm.stats)
-            if "all_gather_rank_order" in self.comm.faults and self.comm.shard_world_size > 1:
-                out.copy_(torch.cat(list(reversed(out.chunk(self.comm.shard_world_size)))))
+            if sharded.dtype != leaf.dtype or sharded.device != leaf.device:
+                sharded = sharded.to(device=leaf.device, dtype=leaf.dtype)
+            work = all_gather_into(leaf.data, sharded, self.comm.shard_group, self.comm.stats, async_op)
+        self._pending = (work, sharded)  # keeps the input alive until the gather completes
+        if not (async_op and work is not None):
+            self._finish_unshard()
+
+    def _finish_unshard(self) -> None:
+        work, _ = self._pending
+        if work is not None:
+            work.wait()
+        self._pending = None
+        if "all_gather_rank_order" in self.comm.faults and self.comm.shard_world_size > 1:
+            out = self._leaf.data
+            out.copy_(torch.cat(list(reversed(out.chunk(self.comm.shard_world_size)))))
         self.state = HandleState.UNSHARDED
 
     def use_views(self) -> None:
@@ -170,6 +189,8 @@ class FlatParamHandle:
 
     def reshard(self, *, for_backward_regather: bool = False) -> None:
         """Free the unsharded storage; views keep their (now empty) storage until re-gathered."""
+        if self._pending is not None:
+            self._finish_unshard()
         if self.state == HandleState.SHARDED:
             return
         leaf = self._leaf
@@ -211,7 +232,7 @@ class FlatParamHandle:
             sharded_grad[pad_start:pad_end] = 1.0
         else:
             sharded_grad[pad_start:pad_end].zero_()
-        return sharded_grad.to(self.sharded.dtype)
+        return sharded_grad.to(device=self.sharded.device, dtype=self.sharded.dtype)
 
     def accumulate_sharded_grad(self, sharded_grad: torch.Tensor) -> None:
         param = self.sharded

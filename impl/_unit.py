@@ -45,7 +45,8 @@ class FSDPUnit:
         self.is_root: bool | None = None  # decided at the first forward
         self.all_units: list[FSDPUnit] = []  # the root's view of every unit below it
         self._finalize_queued = False
-        self._prefetch_next: list[FSDPUnit] = []
+        self.forward_prefetch: list[FSDPUnit] = []  # all-gathered async after this unit's pre-forward
+        self.backward_prefetch: list[FSDPUnit] = []  # ... after this unit's pre-backward
 
     # -- root ------------------------------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -90,18 +91,26 @@ class FSDPUnit:
             for unit in self.all_units:
                 if unit is not self:
                     unit.__dict__["_root"] = self
-        self.training_state = TrainingState.FORWARD
+        if not _in_backward():
+            self.training_state = TrainingState.FORWARD
         for handle in self.handles:
             handle.check_materialized(self.name)
             if handle.state == HandleState.SHARDED:
                 handle.zero_sharded_padding_()
             handle.unshard()
             handle.use_views()
+        for unit in self.forward_prefetch:
+            for handle in unit.handles:
+                handle.unshard(async_op=True)
         if self.cast_inputs_to is not None:
             args, kwargs = _cast_floating((args, kwargs), self.cast_inputs_to)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if _in_backward():
+            # Recomputation (activation checkpointing) inside backward: the parameters stay
+            # unsharded until this unit's gradients are reduced.
+            return output
         if self.reshard_after_forward and not self.is_root:
             for handle in self.handles:
                 handle.reshard(for_backward_regather=True)
@@ -119,11 +128,18 @@ class FSDPUnit:
         self.training_state = TrainingState.PRE_BACKWARD
         for handle in self.handles:
             handle.unshard()
+        for unit in self.backward_prefetch:
+            for handle in unit.handles:
+                handle.unshard(async_op=True)
 
     # -- FSDPModule methods ------------------------------------------------------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         for handle in self.handles:
             handle.sync_grads = requires_gradient_sync
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -42,11 +42,58 @@ class FSDPModule:
         return self.__dict__["_fsdp_unit"]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward keeps accumulating unsharded gradients and skips the reduce-scatter
+        (gradient accumulation); the next backward with True reduces the accumulated sum."""
         modules = self.modules() if recurse else [self]
         for module in modules:
             unit = module.__dict__.get("_fsdp_unit")
             if unit is not None:
                 unit.set_requires_gradient_sync(requires_gradient_sync)
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """All-gather these wrapped modules asynchronously right after this one's pre-forward."""
+        self.fsdp_unit().forward_prefetch = [_unit_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """All-gather these wrapped modules asynchronously right after this one's pre-backward."""
+        self.fsdp_unit().backward_prefetch = [_unit_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
+    def unshard(self) -> None:
+        for handle in self.fsdp_unit().handles:
+            handle.unshard()
+            handle.use_views()
+
+    def reshard(self) -> None:
+        for handle in self.fsdp_unit().handles:
+            handle.reshard()
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Keep sharded parameters, gradients and optimizer state on the CPU; compute on `device`."""
+
+    compute_device: torch.device
+
+
+def _unit_of(module: nn.Module, caller: str):
+    unit = module.__dict__.get("_fsdp_unit")
+    if unit is None:
+        raise ValueError(f"{caller}: {type(module).__name__} is not wrapped by fully_shard; wrap it first")
+    return unit
+
+
+def _groups_from_mesh(mesh) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """1-D mesh: shard over it. 2-D mesh: (replicate, shard), as torch FSDP2's HSDP."""
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0)
+    raise ValueError(f"mesh.ndim={mesh.ndim}: expected 1 (shard) or 2 (replicate, shard)")
+
+
+def _drop_trivial(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A group of one rank communicates nothing: treat it as no group."""
+    return None if group is None or dist.get_world_size(group) == 1 else group
 
 
 def fully_shard(
@@ -54,8 +101,10 @@ def fully_shard(
     *,
     process_group: dist.ProcessGroup | None = None,
     replicate_group: dist.ProcessGroup | None = None,
+    mesh=None,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
     comm_stats: CommStats | None = None,
     _faults: frozenset[str] = frozenset(),
 ) -> nn.Module:
@@ -65,7 +114,13 @@ def fully_shard(
         when torch.distributed is initialized and no group at all (W = 1) otherwise.
     replicate_group: for hybrid sharding (HSDP) and NO_SHARD: gradients are additionally
         all-reduced over this group and averaged over shard x replicate ranks.
-    reshard_after_forward: False keeps parameters unsharded from forward to backward (ZeRO-2).
+    mesh: a DeviceMesh instead of groups: 1-D shards over it, 2-D is (replicate, shard) (HSDP);
+        a shard dimension of size 1 with replicate = world is NO_SHARD (DDP through this API).
+    reshard_after_forward: False keeps parameters unsharded from forward to backward (ZeRO-2,
+        SHARD_GRAD_OP).
+    mp_policy: parameter (compute) and gradient-reduction dtypes; master weights keep theirs.
+    offload_policy: sharded state on the CPU, all-gathered onto `compute_device` for compute.
+    comm_stats: counts the bytes of every collective this unit issues.
     """
     if "_fsdp_unit" in module.__dict__:
         raise ValueError(f"fully_shard({type(module).__name__}): module is already wrapped")
@@ -78,8 +133,13 @@ def fully_shard(
         )
     faults = validate_faults(frozenset(_faults))
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    if process_group is None and dist.is_available() and dist.is_initialized():
+    if mesh is not None:
+        if process_group is not None or replicate_group is not None:
+            raise ValueError("fully_shard: pass either mesh or process_group/replicate_group, not both")
+        process_group, replicate_group = _groups_from_mesh(mesh)
+    elif process_group is None and dist.is_available() and dist.is_initialized():
         process_group = dist.group.WORLD
+    process_group, replicate_group = _drop_trivial(process_group), _drop_trivial(replicate_group)
     shard_rank, shard_world_size = group_rank_and_size(process_group)
     _, replicate_world_size = group_rank_and_size(replicate_group)
 
@@ -94,6 +154,7 @@ def fully_shard(
         reduce_dtype=mp_policy.reduce_dtype,
         faults=faults,
         stats=comm_stats,
+        compute_device=None if offload_policy is None else torch.device(offload_policy.compute_device),
     )
     handles = []
     for requires_grad in (True, False):

@@ -1,0 +1,121 @@
+"""Sharded checkpoints: one file per rank plus metadata, loadable at any world size.
+
+Layout of a checkpoint directory:
+  metadata.json   {"world_size": W, "flat_params": {name: {"slots": [[fqns, size], ...],
+                   "unpadded_numel": n}}, "optimizer": {...}}
+  rank{r}.pt      {flat_param_name: local shard (padding included),
+                   "optim/<flat_param_name>/<state key>": that shard of the optimizer state,
+                   "optim_scalars/<flat_param_name>/<key>": scalars such as Adam's step}
+Files are written to a temporary name and renamed, and loaded with weights_only=True.
+Resharding concatenates the old shards, drops the old padding and slices with the new layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from impl._flat_param import FlatLayout
+
+
+def _flat_params(model: nn.Module):
+    """(name, handle) of every flat parameter, in model.parameters() order."""
+    out = []
+    for fqn, module in model.named_modules():
+        unit = module.__dict__.get("_fsdp_unit")
+        for handle in unit.handles if unit else ():
+            out.append((f"{fqn}.{handle.param_name}" if fqn else handle.param_name, handle))
+    return out
+
+
+def _describe(layout: FlatLayout) -> dict:
+    return {"slots": [[list(s.fqns), list(s.size)] for s in layout.slots], "unpadded_numel": layout.unpadded_numel}
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
+    """Every rank writes its own shards; rank 0 writes the metadata. A collective (barrier)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    flats = _flat_params(model)
+    if not flats:
+        raise ValueError("save_sharded_checkpoint: model has no fully_shard units")
+    rank, world_size = flats[0][1].comm.shard_rank, flats[0][1].comm.shard_world_size
+    payload: dict[str, torch.Tensor] = {}
+    for name, handle in flats:
+        payload[name] = handle.sharded.detach().clone()
+        state = optimizer.state.get(handle.sharded, {}) if optimizer is not None else {}
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.shape == handle.sharded.shape:
+                payload[f"optim/{name}/{key}"] = value.detach().clone()
+            else:
+                payload[f"optim_scalars/{name}/{key}"] = torch.as_tensor(value).clone()
+    _atomic_save(payload, path / f"rank{rank}.pt")
+    if rank == 0:
+        meta = {"world_size": world_size, "flat_params": {n: _describe(h.layout) for n, h in flats}}
+        tmp = path / "metadata.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, path / "metadata.json")
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
+    """Load a checkpoint saved at any world size into `model` (and `optimizer`) at this one."""
+    path = Path(path)
+    meta = json.loads((path / "metadata.json").read_text())
+    flats = _flat_params(model)
+    _check_compatible(meta, flats, path)
+    old_world_size = meta["world_size"]
+    shards = [torch.load(path / f"rank{r}.pt", weights_only=True) for r in range(old_world_size)]
+    for name, handle in flats:
+        unpadded = meta["flat_params"][name]["unpadded_numel"]
+        full = torch.cat([s[name] for s in shards])[:unpadded]
+        with torch.no_grad():
+            handle.sharded.copy_(_reshard(full, handle))
+        handle.reshard()
+        if optimizer is None:
+            continue
+        keys = {k.split("/", 2)[2] for k in shards[0] if k.startswith(f"optim/{name}/")}
+        state = {key: _reshard(torch.cat([s[f"optim/{name}/{key}"] for s in shards])[:unpadded], handle) for key in keys}
+        for k in shards[0]:
+            if k.startswith(f"optim_scalars/{name}/"):
+                state[k.split("/", 2)[2]] = shards[0][k].clone()
+        if state:
+            optimizer.state[handle.sharded] = state
+
+
+def _reshard(full_unpadded: torch.Tensor, handle) -> torch.Tensor:
+    layout = handle.layout
+    padded = torch.zeros(layout.padded_numel, dtype=full_unpadded.dtype)
+    padded[: layout.unpadded_numel] = full_unpadded
+    start, end = layout.shard_bounds(handle.comm.shard_rank)
+    return padded[start:end].clone().to(handle.sharded.device)
+
+
+def _check_compatible(meta: dict, flats, path: Path) -> None:
+    saved = meta["flat_params"]
+    ours = {name: _describe(h.layout) for name, h in flats}
+    missing = sorted(set(ours) - set(saved))
+    unexpected = sorted(set(saved) - set(ours))
+    mismatched = [
+        f"{name}: checkpoint {saved[name]['slots']} vs model {ours[name]['slots']}"
+        for name in sorted(set(ours) & set(saved))
+        if saved[name] != ours[name]
+    ]
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f"checkpoint {path} does not match the model: missing in checkpoint {missing}, "
+            f"not in model {unexpected}, different names or shapes {mismatched}. Fix: load it "
+            f"into the same model with the same wrapping (any world size works)."
+        )

@@ -1,0 +1,56 @@
+"""Global gradient-norm clipping across shards, equal to the unsharded clip_grad_norm_."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from impl._collectives import all_reduce_max, all_reduce_sum
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of every parameter of `model` by their global norm; return the norm.
+
+    Each unit's local shard contributes sum |g|^p (or max |g| for inf) over its shard group; the
+    padding is zero after every reduce-scatter and so contributes nothing. Parameters outside any
+    unit (replicated) contribute once, not once per rank. A collective: call it on every rank.
+    """
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"clip_grad_norm_: norm_type={norm_type} must be > 0 (or inf)")
+    sharded, replicated, group = [], [], None
+    for module in model.modules():
+        unit = module.__dict__.get("_fsdp_unit")
+        flat = {h.param_name: h for h in unit.handles} if unit else {}
+        for name, param in module._parameters.items():
+            if param is None or param.grad is None:
+                continue
+            handle = flat.get(name)
+            if handle is None:
+                replicated.append(param.grad)
+                continue
+            if group is not None and handle.comm.shard_group is not group:
+                raise ValueError("clip_grad_norm_: units shard over different process groups")
+            group = handle.comm.shard_group
+            sharded.append(param.grad)
+    grads = sharded + replicated
+    if not grads:
+        return torch.tensor(0.0)
+    device = grads[0].device
+    if math.isinf(norm_type):
+        local = torch.stack([g.detach().abs().max() for g in sharded]).max() if sharded else torch.zeros((), device=device)
+        total = local.to(torch.float32)
+        all_reduce_max(total, group)
+        if replicated:
+            total = torch.maximum(total, torch.stack([g.detach().abs().max() for g in replicated]).max().float())
+    else:
+        local = sum((g.detach().float().abs().pow(norm_type).sum() for g in sharded), torch.zeros((), device=device))
+        all_reduce_sum(local, group)
+        rep = sum((g.detach().float().abs().pow(norm_type).sum() for g in replicated), torch.zeros((), device=device))
+        total = (local + rep).pow(1.0 / norm_type)
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(clip_coef.to(g.dtype))
+    return total
