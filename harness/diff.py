@@ -165,8 +165,9 @@ class OptimizerResult:
     per_step: list[dict] = field(default_factory=list)
 
 
-def check_snapshot(snap: dict, ref: dict | None) -> OptimizerResult:
-    """All checks of one (cell, optimizer) snapshot; `ref` is the reference run's snapshot."""
+def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | None) -> OptimizerResult:
+    """All checks of one (cell, optimizer) snapshot. `init_state` is the reference initial state
+    every rank loaded; `ref` the reference run's snapshot (None: no trajectory comparison)."""
     cell = snap["cell"]
     case = get_case(cell["case"])
     spec = case.optimizer(snap["optimizer"])
@@ -177,12 +178,11 @@ def check_snapshot(snap: dict, ref: dict | None) -> OptimizerResult:
     layouts = snap["layouts"]
     viol = result.violations
 
-    if ref is not None:
-        for name, p in snap["init"]["params"].items():
-            v = _tensor_violation(spec.kind, 0, "init", name, p, ref["init"]["params"][name],
-                                  torch.zeros((), dtype=torch.float64), layouts.get(name))
-            if v:
-                viol.append(v)
+    for name, p in snap["init"]["params"].items():
+        v = _tensor_violation(spec.kind, 0, "init", name, p, init_state[name],
+                              torch.zeros((), dtype=torch.float64), layouts.get(name))
+        if v:
+            viol.append(v)
     split = cell["data_mode"] == "split"
     traj: dict[str, list[DiffStats]] = {"loss": [], "grad": [], "param": []}
     for rec, ref_rec in zip(snap["steps"], (ref["steps"] if ref else [None] * len(snap["steps"]))):

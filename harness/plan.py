@@ -71,17 +71,19 @@ class RunPlan:
     cells: tuple[Cell, ...]  # the cells under test
     references: tuple[Cell, ...]  # one per case: impl=single at W = 1
     out_dir: Path
-    timeout_s: float  # per launch (one launch per world size)
+    timeout_s: float  # per torchrun launch (one launch per world size)
     threads: int = 1  # intra-op threads in every rank, equal at every world size
     launch_per_cell: bool = False  # one torchrun per cell: only to measure what batching saves
     extra_pythonpath: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def world_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted({1} | {c.world_size for c in self.cells}))
+        return tuple(sorted({c.world_size for c in self.cells}))
 
     def cells_for(self, world_size: int) -> tuple[Cell, ...]:
-        refs = self.references if world_size == 1 else ()
+        # The reference cells need no process group: rank 0 of the first launch runs them (the
+        # other ranks skip them), so a plan without W = 1 pays for no extra launch.
+        refs = self.references if world_size == self.world_sizes[0] else ()
         return refs + tuple(c for c in self.cells if c.world_size == world_size)
 
     @property
@@ -177,8 +179,6 @@ def build_plan(
     for case_name in cases:
         case = get_case(case_name)
         for w in world_sizes:
-            if w not in case.world_sizes:
-                raise PlanError(f"case={case_name} does not run at world_size={w}; its world sizes: {list(case.world_sizes)}")
             for mode in data_modes:
                 if mode not in case.data_modes:
                     raise PlanError(f"case={case_name} has no data mode {mode!r}; its modes: {list(case.data_modes)}")
@@ -187,6 +187,9 @@ def build_plan(
                         f"case={case_name}: global_batch={case.global_batch} does not divide by "
                         f"world_size={w} in split mode"
                     )
+            if w not in case.world_sizes:
+                raise PlanError(f"case={case_name} does not run at world_size={w}; its world sizes: {list(case.world_sizes)}")
+            for mode in data_modes:
                 for impl in impls:
                     cells.append(Cell(case_name, impl, w, mode, steps or case.steps,
                                       faults=tuple(sorted(faults)) if impl == "ours" else ()))

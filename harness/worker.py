@@ -155,6 +155,8 @@ def main(argv: list[str]) -> int:
         init_state = load_state(init_dir / f"{case.name}.pt")
         start = time.perf_counter()
         for spec in case.optimizers:
+            if not resolve_impl(cell.impl).needs_process_group and world.rank != 0:
+                continue  # a single-process cell (the reference) runs on rank 0 alone
             snapshot = run_cell(cell, spec, init_state, world)
             if snapshot is not None:
                 save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)

@@ -1,0 +1,178 @@
+"""`python -m harness VERB` (console script: fsdp-harness). The only place that maps outcomes to
+exit codes: 0 every cell equivalent, 1 a cell not equivalent or a rank crashed or hung, 2 bad
+usage or config (before any rank starts), 125 could not test at all (the project does not import;
+the `git bisect run` convention)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CANNOT_TEST = 0, 1, 2, 125
+PENDING_VERBS = {
+    "bisect": "issue 5", "baseline": "issue 5", "fuzz": "issue 4", "mutants": "issue 4", "bench": "issue 7",
+}
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _add_matrix_args(p: argparse.ArgumentParser, *, cases, impls, world_sizes, data, out) -> None:
+    p.add_argument("--cases", default=cases, help=f"comma-separated case names (default {cases})")
+    p.add_argument("--impls", default=impls,
+                   help=f"comma-separated: ours, fsdp2, ddp, single, or module:Class / file.py:Class (default {impls})")
+    p.add_argument("--world-sizes", default=world_sizes, help=f"comma-separated (default {world_sizes})")
+    p.add_argument("--data", default=data, help=f"identical,split (default {data})")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the case's)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun launch, one launch per world size (default 600)")
+    p.add_argument("--out", default=out, help=f"output directory (default {out})")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads in every rank (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted impl/ bugs, for tests
+    p.add_argument("--launch-per-cell", action="store_true", help=argparse.SUPPRESS)  # to measure batching
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="harness", description="Is this FSDP numerically the same training run as the unsharded model?")
+    verbs = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
+    run = verbs.add_parser("run", help="run a matrix and write reports (default: the standard matrix into reports/)")
+    _add_matrix_args(run, cases="mlp,transformer", impls="ours,fsdp2", world_sizes="1,2,4,8",
+                     data="identical,split", out="reports")
+    gate = verbs.add_parser("gate", help="the CI configuration: JUnit XML + Markdown summary")
+    _add_matrix_args(gate, cases="mlp,transformer", impls="ours", world_sizes="1,2,4",
+                     data="identical,split", out="runs/gate")
+    gate.add_argument("--full", action="store_true", help="world sizes 1,2,4,8")
+    verbs.add_parser("list", help="cases, implementations and planted faults")
+    for verb, issue in PENDING_VERBS.items():
+        stub = verbs.add_parser(verb, help=f"not implemented yet ({issue})")
+        stub.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _plan_from_args(args):
+    from harness.plan import build_plan, parse_csv, parse_world_sizes
+
+    world_sizes = "1,2,4,8" if getattr(args, "full", False) else args.world_sizes
+    return build_plan(
+        cases=parse_csv(args.cases, "cases"),
+        impls=parse_csv(args.impls, "impls"),
+        world_sizes=parse_world_sizes(world_sizes),
+        data_modes=parse_csv(args.data, "data"),
+        steps=args.steps,
+        timeout_s=args.timeout,
+        out_dir=args.out,
+        faults=parse_csv(args.faults, "faults") if args.faults else (),
+        threads=args.threads,
+        launch_per_cell=args.launch_per_cell,
+    )
+
+
+def _clear_generated(plan) -> None:
+    """Snapshots, logs and initial states of an earlier run in the same --out are stale."""
+    for path in (plan.snapshot_dir, plan.log_dir, plan.init_dir):
+        if path.exists():
+            shutil.rmtree(path)
+
+
+def cmd_run(args, argv: list[str]) -> int:
+    from harness.orchestrate import Progress, run_plan
+    from harness.report import build_report, console_summary, write_reports
+    from harness.verdict import evaluate
+
+    plan = _plan_from_args(args)
+    _clear_generated(plan)
+    outcome = run_plan(plan, None if args.quiet else Progress(plan))
+    cells, references, matrices = evaluate(plan, outcome)
+    command = "python -m harness " + " ".join(shlex.quote(a) for a in argv)
+    report = build_report(cells, references, matrices, outcome, command)
+    written = write_reports(report, plan.out_dir)
+    console_summary(report)
+    if args.verb == "gate":
+        summary = _gate_summary(report)
+        from harness.snapshot import write_atomic_text
+
+        write_atomic_text(plan.out_dir / "summary.md", summary)
+        step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
+        if step_summary:
+            with open(step_summary, "a") as f:
+                f.write(summary + "\n")
+    print(f"reports: {written['report.md']}")
+    return EXIT_PASS if report.verdict == "pass" else EXIT_FAIL
+
+
+def _gate_summary(report) -> str:
+    lines = [f"## FSDP equivalence gate: {report.verdict.upper()}", "",
+             "| cell | verdict | max_abs_diff | first divergence |", "| --- | --- | --- | --- |"]
+    for r in report.cells:
+        traj = r.trajectory()
+        first = r.first_divergence.describe(r.cell.cell_id) if r.first_divergence else (
+            (r.error or "").splitlines()[0] if r.error else "")
+        lines.append(f"| {r.cell.cell_id} | {r.verdict} | {traj.max_abs if traj else 'n/a'} | {first.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_list() -> int:
+    from cases.catalog import CASES
+    from harness.impls import BUILTIN_IMPLS
+
+    print("cases:")
+    for case in CASES.values():
+        print(f"  {case.name}: {case.description}; optimizers {[o.kind for o in case.optimizers]}, "
+              f"steps={case.steps}, global_batch={case.global_batch}, world sizes {list(case.world_sizes)}, "
+              f"data {list(case.data_modes)}")
+    print("impls: " + ", ".join(BUILTIN_IMPLS) + " (or module:Class / file.py:Class)")
+    try:
+        from impl import FAULTS
+    except Exception as e:  # listing still works when impl/ is broken
+        print(f"faults: unavailable ({type(e).__name__}: {e})")
+    else:
+        print("faults (run --faults NAME, planted in impl=ours):")
+        for name, what in FAULTS.items():
+            print(f"  {name}: {what}")
+    return EXIT_PASS
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.verb in PENDING_VERBS:
+        print(f"harness {args.verb}: not implemented yet ({PENDING_VERBS[args.verb]})", file=sys.stderr)
+        return EXIT_FAIL
+    if args.verb == "list":
+        return cmd_list()
+    try:
+        import torch  # noqa: F401
+
+        import cases.catalog  # noqa: F401
+        import harness.orchestrate  # noqa: F401
+        if "ours" in args.impls.split(","):
+            import impl  # noqa: F401
+    except Exception as e:  # the project itself does not import: nothing can be tested
+        traceback.print_exc()
+        print(f"harness: cannot test: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_CANNOT_TEST
+    from harness.plan import PlanError
+
+    try:
+        return cmd_run(args, argv)
+    except PlanError as e:
+        print(f"harness {args.verb}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("harness: interrupted", file=sys.stderr)
+        return EXIT_FAIL

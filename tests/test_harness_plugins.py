@@ -1,0 +1,61 @@
+"""Adapters that plant failures the fault seam of impl/ does not have, loaded by the harness as
+user implementations (`--impls tests/test_harness_plugins.py:NAME`), which also exercises the
+user-registration path. They run inside the ranks, so they are plain classes, not fixtures."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from harness.impls import Adapter, Ours
+
+CORRUPT_RANK = 1
+CORRUPT_PATH_INDEX = 0  # the first wrapped sub-module of the case
+CORRUPT_INDEX = 5  # element of that module's first parameter
+CORRUPT_DELTA = 0.05
+
+
+class CorruptGatheredElement(Ours):
+    """ours, except that after every all-gather of the first wrapped unit, rank CORRUPT_RANK adds
+    CORRUPT_DELTA to one element of its gathered (unsharded) copy; the shards stay intact."""
+
+    name = "corrupt_gathered_element"
+
+    def wrap(self, model, wrap_paths, ctx, faults):
+        sub = model.get_submodule(wrap_paths[CORRUPT_PATH_INDEX])
+        param_name = next(n for n, _ in sub.named_parameters())
+        owner_path, _, attr = param_name.rpartition(".")
+        wrapped = super().wrap(model, wrap_paths, ctx, faults)
+        if ctx.world_size > 1 and ctx.rank == CORRUPT_RANK:
+
+            def corrupt(module, args):
+                # Runs after the unit's own pre-forward hook: `attr` is a view of the gathered buffer.
+                view = getattr(module.get_submodule(owner_path) if owner_path else module, attr)
+                with torch.no_grad():
+                    view.view(-1)[CORRUPT_INDEX] += CORRUPT_DELTA
+
+            sub.register_forward_pre_hook(corrupt)
+        return wrapped
+
+
+class RaiseOnRank1(Ours):
+    name = "raise_on_rank1"
+
+    def wrap(self, model, wrap_paths, ctx, faults):
+        if ctx.rank == 1:
+            raise RuntimeError("planted failure: rank 1 raises while wrapping")
+        return super().wrap(model, wrap_paths, ctx, faults)
+
+
+class HangOnRank1(Ours):
+    name = "hang_on_rank1"
+
+    def wrap(self, model, wrap_paths, ctx, faults):
+        if ctx.rank == 1:
+            dist.recv(torch.zeros(1), src=0, group=ctx.group)  # never sent: blocks forever
+        return super().wrap(model, wrap_paths, ctx, faults)
+
+
+def test_plugins_satisfy_the_adapter_protocol():
+    for cls in (CorruptGatheredElement, RaiseOnRank1, HangOnRank1):
+        assert isinstance(cls(), Adapter), cls

@@ -1,0 +1,179 @@
+"""Slow tier: the real CLI launching torchrun. Launches are shared through session fixtures (and
+across pytest-xdist workers through a file lock), so each configuration runs once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+REPO = Path(__file__).resolve().parent.parent
+PLUGINS = "tests/test_harness_plugins.py"
+MATRIX_CASES = ("mlp", "transformer")
+MATRIX_DATA = ("identical", "split")
+
+
+def _harness(args: list[str], timeout: float) -> tuple[int, str, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "harness", *args, "--quiet"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def _shared_run(tmp_path_factory, name: str, args: list[str], timeout: float = 900) -> dict:
+    """Run the harness once per session, whichever xdist worker asks first; others read its result."""
+    root = tmp_path_factory.getbasetemp().parent
+    out = root / f"harness-{name}"
+    done = root / f"harness-{name}.json"
+    with FileLock(str(root / f"harness-{name}.lock")):
+        if not done.exists():
+            rc, output, wall_s = _harness([*args, "--out", str(out)], timeout)
+            summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None
+            done.write_text(json.dumps({"rc": rc, "output": output, "wall_s": wall_s, "summary": summary,
+                                        "out": str(out)}))
+    return json.loads(done.read_text())
+
+
+def _cells(run: dict) -> dict[str, dict]:
+    assert run["summary"] is not None, run["output"][-3000:]
+    return {c["cell_id"]: c for c in run["summary"]["cells"]}
+
+
+def _option_list(config, name: str) -> list[str]:
+    return [v.strip() for v in config.getoption(name).split(",") if v.strip()]
+
+
+def pytest_generate_tests(metafunc):
+    if "matrix_cell_id" in metafunc.fixturenames:
+        ids = [f"{case}.{impl}.w{w}.{data}" for case in MATRIX_CASES
+               for impl in _option_list(metafunc.config, "--impls")
+               for w in _option_list(metafunc.config, "--world-sizes") for data in MATRIX_DATA]
+        metafunc.parametrize("matrix_cell_id", ids)
+
+
+@pytest.fixture(scope="session")
+def standard_matrix(request, tmp_path_factory):
+    impls = request.config.getoption("--impls")
+    world_sizes = request.config.getoption("--world-sizes")
+    return _shared_run(tmp_path_factory, "matrix", ["run", "--impls", impls, "--world-sizes", world_sizes])
+
+
+@pytest.mark.slow
+def test_matrix_cell_is_equivalent(standard_matrix, matrix_cell_id):
+    cell = _cells(standard_matrix)[matrix_cell_id]
+    assert cell["verdict"] == "pass", cell["first_divergence_text"] or cell["error"]
+    margins = [cell[k] for k in ("margin_loss", "margin_grad", "margin_param")]
+    assert max(margins) < 0.5, f"{matrix_cell_id}: honest margins {margins} not below half the tolerance"
+
+
+@pytest.mark.slow
+def test_matrix_run_exits_0_with_bitwise_fsdp2_identical_cells_and_matrices(standard_matrix, request):
+    assert standard_matrix["rc"] == 0, standard_matrix["output"][-3000:]
+    cells = _cells(standard_matrix)
+    world_sizes = _option_list(request.config, "--world-sizes")
+    if "fsdp2" in _option_list(request.config, "--impls"):
+        for case in MATRIX_CASES:
+            for w in ("2", "4"):
+                if w in world_sizes:
+                    cell = cells[f"{case}.fsdp2.w{w}.identical"]
+                    assert cell["max_abs_diff"] == 0.0 and cell["bitwise_equal"], cell
+    report = (Path(standard_matrix["out"]) / "report.md").read_text()
+    assert "## W x W matrices" in report and "| ref " in report
+    for name in ("report.html", "cells.csv", "steps.csv", "matrices.csv", "junit.xml"):
+        assert (Path(standard_matrix["out"]) / name).stat().st_size > 0
+
+
+@pytest.fixture(scope="session")
+def no_grad_average_run(tmp_path_factory):
+    return _shared_run(tmp_path_factory, "no-grad-average", [
+        "run", "--cases", "mlp,transformer", "--impls", "ours", "--world-sizes", "2",
+        "--data", "identical,split", "--faults", "no_grad_average"])
+
+
+@pytest.mark.slow
+def test_sum_without_average_fails_every_cell_with_sgd_and_adamw(no_grad_average_run):
+    assert no_grad_average_run["rc"] == 1, no_grad_average_run["output"][-3000:]
+    for cell_id, cell in _cells(no_grad_average_run).items():
+        assert cell["verdict"] == "fail", cell_id
+        first = cell["first_divergence"]
+        assert first["step"] == 1 and first["check"] == "grad", first
+        assert first["rank"] in (0, 1) and first["name"], first
+        text = cell["first_divergence_text"]
+        assert f"step=1 grad: '{first['name']}'" in text and f"rank {first['rank']}'s shard" in text
+    # Both optimizers caught it (the gradient check does not rely on the parameters moving).
+    junit = (Path(no_grad_average_run["out"]) / "junit.xml").read_text()
+    assert "optimizer=sgd" in junit and "optimizer=adamw" in junit
+
+
+@pytest.fixture(scope="session")
+def corrupt_run(tmp_path_factory):
+    return _shared_run(tmp_path_factory, "corrupt", [
+        "run", "--cases", "mlp,transformer", "--impls", f"{PLUGINS}:CorruptGatheredElement",
+        "--world-sizes", "2", "--data", "identical,split"])
+
+
+@pytest.mark.slow
+def test_one_corrupted_gathered_element_on_one_rank_is_caught(corrupt_run):
+    assert corrupt_run["rc"] == 1, corrupt_run["output"][-3000:]
+    report = (Path(corrupt_run["out"]) / "report.md").read_text()
+    for cell_id, cell in _cells(corrupt_run).items():
+        assert cell["verdict"] == "fail", cell_id
+        first = cell["first_divergence"]
+        assert first["step"] == 1 and first["check"] in ("loss", "grad"), first
+        if cell["data"] == "identical":  # only rank 1 computed with the corrupted element
+            assert first["check"] == "loss" and first["rank"] == 1, first
+        assert cell["first_divergence_text"] in report
+    summary = json.loads((Path(corrupt_run["out"]) / "summary.json").read_text())
+    assert summary["verdict"] == "fail"
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_ends_the_run_names_the_rank_and_leaves_no_process(tmp_path):
+    out = tmp_path / "raise"
+    rc, output, wall_s = _harness(["run", "--cases", "mlp", "--impls", f"{PLUGINS}:RaiseOnRank1",
+                                   "--world-sizes", "2", "--data", "identical", "--timeout", "120",
+                                   "--out", str(out)], timeout=300)
+    assert rc == 1, output[-3000:]
+    assert wall_s < 120 + 10
+    summary = json.loads((out / "summary.json").read_text())
+    (cell,) = summary["cells"]
+    assert cell["verdict"] == "error"
+    assert "[rank 1] RuntimeError: planted failure: rank 1 raises while wrapping" in cell["error"]
+    assert "[rank 1] Traceback" in cell["error"]
+    assert _processes_mentioning(str(out)) == []
+
+
+@pytest.mark.slow
+def test_a_rank_blocked_in_a_collective_times_out_with_its_stack_and_no_survivors(tmp_path):
+    out = tmp_path / "hang"
+    timeout = 30
+    rc, output, wall_s = _harness(["run", "--cases", "mlp", "--impls", f"{PLUGINS}:HangOnRank1",
+                                   "--world-sizes", "2", "--data", "identical", "--timeout", str(timeout),
+                                   "--out", str(out)], timeout=300)
+    assert rc == 1, output[-3000:]
+    assert wall_s < timeout + 15, wall_s
+    (cell,) = json.loads((out / "summary.json").read_text())["cells"]
+    assert cell["verdict"] == "error" and "timed out" in cell["error"]
+    assert "[rank 1]" in cell["error"] and "in wrap" in cell["error"], cell["error"][-2000:]
+    assert _processes_mentioning(str(out)) == []
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Processes whose command line mentions `text` (every rank's does: the plan path)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(int(entry))
+    return found

@@ -1,0 +1,177 @@
+"""Fast tier: the harness's pure pieces (no torchrun)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cases.catalog import CASES, Case, OptimizerSpec, get_case
+from cases.data import local_batch
+from harness import cli
+from harness.diff import DiffStats, compare, owner_of, ulp_distance
+from harness.plan import Cell, PlanError, build_plan
+from harness.snapshot import FORMAT, load_snapshot, save_snapshot
+from harness.tolerance import ErrorModel, OptimizerErrorState, unit_roundoff
+
+
+def test_ulp_distance_counts_representable_steps_across_zero():
+    one = torch.tensor([1.0])
+    up = torch.nextafter(one, torch.tensor([2.0]))
+    assert ulp_distance(up, one).item() == 1
+    tiny_pos = torch.nextafter(torch.tensor([0.0]), torch.tensor([1.0]))
+    tiny_neg = torch.nextafter(torch.tensor([0.0]), torch.tensor([-1.0]))
+    assert ulp_distance(tiny_pos, tiny_neg).item() == 2
+    assert ulp_distance(torch.tensor([0.0]), torch.tensor([-0.0])).item() == 0
+
+
+def test_compare_reports_zero_only_when_bitwise_equal():
+    a = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    same = compare(a, a.clone())
+    assert same == DiffStats(0.0, 0.0, 0, 0, 15) and same.bitwise_equal
+    b = a.clone()
+    b[2, 1] = torch.nextafter(b[2, 1], torch.tensor(10.0))
+    diff = compare(b, a)
+    assert diff.num_diff == 1 and diff.max_ulp == 1 and diff.max_abs > 0 and not diff.bitwise_equal
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_grad_bound_covers_reordered_sums_with_cancellation(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 64
+    terms = torch.randn(n, 200, generator=g) * torch.logspace(-6, 2, 200)  # wide magnitudes
+    terms[:, :50] -= terms[:, :50].mean(0)  # heavy cancellation in some columns
+    mean_a = terms.sum(0) / n
+    mean_b = torch.stack([c.sum(0) for c in terms.chunk(8)]).sum(0) / n  # 8 "ranks"
+    abs_mean = terms.abs().mean(0)
+    bound = ErrorModel(num_terms=n).grad_bound(abs_mean, mean_b)
+    assert ((mean_a.double() - mean_b.double()).abs() <= bound).all()
+
+
+def _optimizer_drift(spec: OptimizerSpec, grads, deltas, grad_tols):
+    """Run shadow and candidate from the candidate's parameters each step (as the worker does),
+    the candidate's gradient off by `deltas`; return per step |param diff| and the bound
+    propagated from the admissible gradient errors `grad_tols`."""
+    shadow_p = torch.nn.Parameter(torch.linspace(-1, 1, grads[0].numel()))
+    cand_p = torch.nn.Parameter(shadow_p.detach().clone())
+    shadow_opt, cand_opt = spec.build([shadow_p]), spec.build([cand_p])
+    errors = OptimizerErrorState(spec, unit_roundoff(torch.float32))
+    out = []
+    for step, (grad, delta, tol) in enumerate(zip(grads, deltas, grad_tols), start=1):
+        with torch.no_grad():
+            shadow_p.copy_(cand_p)
+        shadow_p.grad, cand_p.grad = grad.clone(), grad + delta
+        shadow_opt.step()
+        cand_opt.step()
+        state = {k: v for k, v in shadow_opt.state[shadow_p].items() if isinstance(v, torch.Tensor)}
+        bound = errors.param_bound("p", step, tol.double(), grad, shadow_p.detach(), state)
+        out.append(((cand_p.detach().double() - shadow_p.detach().double()).abs(), bound))
+    return out
+
+
+@pytest.mark.parametrize("spec", [OptimizerSpec("sgd", lr=0.05, momentum=0.9),
+                                  OptimizerSpec("adamw", lr=1e-3, weight_decay=0.01)], ids=["sgd", "adamw"])
+def test_param_bound_covers_gradient_errors_pushed_through_the_optimizer(spec):
+    g = torch.Generator().manual_seed(1)
+    numel = 400
+    scales = torch.logspace(-12, -1, numel)  # includes |g| << eps, where Adam's sensitivity is lr/eps
+    grads = [torch.randn(numel, generator=g) * scales for _ in range(5)]
+    tols = [gr.abs() * 1e-5 + 1e-14 for gr in grads]
+    signs = [torch.sign(torch.randn(numel, generator=g)) for _ in grads]
+    within = [t * s for t, s in zip(tols, signs)]
+    for diff, bound in _optimizer_drift(spec, grads, within, tols):
+        assert (diff <= bound).all(), (diff - bound).max()
+    # Not vacuous: gradient errors 100x beyond the admissible ones escape the bound.
+    beyond = [100 * w for w in within]
+    assert any((d > b).any() for d, b in _optimizer_drift(spec, grads, beyond, tols))
+
+
+def test_local_batch_split_partitions_the_global_batch():
+    batch = CASES["mlp"].make_batch(0, 1, 8)
+    parts = [local_batch(batch, "split", r, 4) for r in range(4)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), batch[0])
+    assert local_batch(batch, "identical", 3, 4) is batch
+    with pytest.raises(ValueError, match="global_batch=8 does not divide by world_size=3"):
+        local_batch(batch, "split", 0, 3)
+
+
+def test_case_validation_names_the_field():
+    base = CASES["mlp"]
+    with pytest.raises(ValueError, match="global_batch=8 does not divide by world sizes \\[3\\]"):
+        Case(**{**base.__dict__, "world_sizes": (1, 3)})
+    with pytest.raises(ValueError, match="kind='lion'"):
+        OptimizerSpec("lion", lr=1.0)
+    with pytest.raises(ValueError, match="unknown case 'nope'"):
+        get_case("nope")
+
+
+def test_standard_plan_has_32_cells_and_references_in_the_first_launch(tmp_path):
+    plan = build_plan(out_dir=tmp_path)
+    assert len(plan.cells) == 32 and len({c.cell_id for c in plan.cells}) == 32
+    assert plan.world_sizes == (1, 2, 4, 8)
+    assert [c.is_reference for c in plan.cells_for(1)][:2] == [True, True]
+    assert not any(c.is_reference for c in plan.cells_for(2))
+    only_two = build_plan(world_sizes=(2,), out_dir=tmp_path)
+    assert {c.cell_id for c in only_two.cells_for(2) if c.is_reference} == {"ref.mlp", "ref.transformer"}
+    cell = plan.cells[5]
+    assert Cell.from_json(cell.to_json()) == cell
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"cases": ("nope",)}, "unknown case 'nope'"),
+    ({"impls": ("nope",)}, "unknown impl 'nope'"),
+    ({"world_sizes": (0,)}, "world_size=0 must be >= 1"),
+    ({"world_sizes": (3,), "data_modes": ("split",)}, "global_batch=8 does not divide by world_size=3"),
+    ({"impls": ("single",)}, "only at world_size=1"),
+    ({"faults": ("no_such_fault",)}, "unknown fault"),
+])
+def test_plan_rejects_bad_input(tmp_path, kwargs, message):
+    with pytest.raises(PlanError, match=message):
+        build_plan(out_dir=tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--cases", "nope"],
+    ["run", "--impls", "ours,nope"],
+    ["run", "--world-sizes", "0"],
+    ["run", "--world-sizes", "3", "--data", "split"],
+    ["run", "--out", "/proc/harness-cannot-write-here"],
+    ["run", "--world-sizes", "two"],
+    ["run", "--bogus-flag"],
+])
+def test_cli_bad_input_exits_2_with_one_line_before_any_rank(argv, monkeypatch, capsys):
+    import harness.orchestrate
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a rank was launched for bad input")
+
+    monkeypatch.setattr(harness.orchestrate, "launch", no_launch)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error" in err, err
+
+
+def test_pending_verbs_exit_nonzero_and_say_so(capsys):
+    assert cli.main(["mutants"]) == 1
+    assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_snapshot_round_trip_and_refusals(tmp_path):
+    snap = {"format": FORMAT, "cell": {"case": "mlp"}, "steps": [{"loss": torch.ones(2), "grads": {"w": torch.zeros(3)}}]}
+    save_snapshot(tmp_path / "a.pt", snap)
+    back = load_snapshot(tmp_path / "a.pt")
+    assert torch.equal(back["steps"][0]["loss"], torch.ones(2))
+    torch.save({"format": "other"}, tmp_path / "b.pt")
+    with pytest.raises(ValueError, match="not a fsdp-equiv-snapshot"):
+        load_snapshot(tmp_path / "b.pt")
+    torch.save({"format": FORMAT, "obj": OptimizerSpec("sgd", lr=1.0)}, tmp_path / "c.pt")
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported"):
+        load_snapshot(tmp_path / "c.pt")  # never unpickles an arbitrary object
+
+
+def test_owner_of_maps_elements_to_the_rank_holding_them():
+    flat = {"kind": "flat", "offset": 10, "shard_numel": 7, "unpadded_numel": 30, "world_size": 5}
+    assert owner_of(flat, torch.Size([4, 5]), 0) == 1  # flat index 10 -> rank 1
+    assert owner_of(flat, torch.Size([4, 5]), 19) == 4  # flat index 29 -> rank 4
+    dim0 = {"kind": "dim0", "rows": 5, "chunk_rows": 2, "world_size": 3}
+    assert owner_of(dim0, torch.Size([5, 3]), 3 * 3) == 1  # row 3
+    assert owner_of({"kind": "replicated"}, torch.Size([2]), 1) is None
