@@ -146,7 +146,8 @@ def run_memory(args, rank: int, world_size: int) -> dict:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if args.global_batch % world_size:
         raise ValueError(f"global_batch={args.global_batch} does not divide by world_size={world_size}")
-    x, y = lm_batch(cfg, args.global_batch // world_size, args.seq, seed=rank)
+    seq = min(args.seq, cfg.block_size)
+    x, y = lm_batch(cfg, args.global_batch // world_size, seq, seed=rank)
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
@@ -172,7 +173,7 @@ def run_memory(args, rank: int, world_size: int) -> dict:
     peak = _peak_rss_bytes() - rss_before
     return {
         "world_size": world_size,
-        "model": f"GPT-2-small-shaped TransformerLM {_describe(cfg)}, global batch {args.global_batch} x {args.seq} tokens",
+        "model": f"GPT-2-small-shaped TransformerLM {_describe(cfg)}, global batch {args.global_batch} x {seq} tokens",
         "num_params": num_params,
         "sharded_param_bytes": params,
         "sharded_state_bytes": sharded,
