@@ -18,7 +18,7 @@ import torch
 from cases.catalog import get_case
 from harness.tolerance import SAFETY_FACTOR, ErrorModel, OptimizerErrorState
 
-CHECK_ORDER = ("init", "loss", "grad", "param", "padding")
+CHECK_ORDER = ("init", "ranks", "loss", "grad", "param", "padding")
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,12 @@ class Violation:
             where += f"[{self.index}]"
             if self.coords is not None:
                 where += f" at {self.coords}"
-        owner = "replicated on every rank" if self.rank is None else f"in rank {self.rank}'s shard"
+        if self.check == "ranks":
+            owner = f"rank {self.rank} disagrees with the other ranks"
+        elif self.check == "loss":
+            owner = "mean over ranks" if self.rank is None else f"on rank {self.rank}"
+        else:
+            owner = "replicated on every rank" if self.rank is None else f"in rank {self.rank}'s shard"
         pad = " (padding)" if self.in_padding else ""
         return (f"{cell_id} optimizer={self.optimizer} step={self.step} {self.check}: {where} {owner}{pad}: "
                 f"actual={self.actual:.9g} expected={self.expected:.9g} |diff|={self.abs_diff:.3g} "
@@ -165,6 +170,24 @@ class OptimizerResult:
     per_step: list[dict] = field(default_factory=list)
 
 
+def flat(tensors: dict[str, torch.Tensor], order: dict | None = None) -> torch.Tensor:
+    """One 1-D tensor of `tensors` in the key order of `order` (default: their own)."""
+    keys = list(order if order is not None else tensors)
+    return torch.cat([tensors[k].reshape(-1) for k in keys]) if keys else torch.zeros(0)
+
+
+def _rank_disagreement(optimizer: str, step: int, losses: torch.Tensor, expected: float) -> list[Violation]:
+    """With identical data every rank runs the same forward on the same gathered parameters with
+    the same kernels, so their losses are bitwise equal; a rank that disagrees computed with
+    something else. The agreed value is the most common one (ties: the one nearest the shadow)."""
+    values = losses.tolist()
+    if len(set(values)) == 1:
+        return []
+    agreed = max(set(values), key=lambda v: (values.count(v), -abs(v - expected)))
+    return [Violation(optimizer, step, "ranks", "<loss>", float("inf"), abs(v - agreed), 0.0, v, agreed, rank=r)
+            for r, v in enumerate(values) if v != agreed]
+
+
 def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | None) -> OptimizerResult:
     """All checks of one (cell, optimizer) snapshot. `init_state` is the reference initial state
     every rank loaded; `ref` the reference run's snapshot (None: no trajectory comparison)."""
@@ -191,6 +214,8 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         losses = rec["loss"].double()
         actual_losses = losses.mean().reshape(1) if split else losses
         expected = shadow["loss"].double().item()
+        if not split and len(losses) > 1:
+            viol.extend(_rank_disagreement(spec.kind, step, rec["loss"], expected))
         tol = SAFETY_FACTOR * model.loss_bound(expected)
         for r, value in enumerate(actual_losses.tolist()):
             d = abs(value - expected)
@@ -227,10 +252,8 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         if ref_rec is not None:
             ref_loss = ref_rec["loss"].double().mean()
             step_stats["loss"].append(compare(actual_losses.float(), ref_loss.float().expand_as(actual_losses)))
-            for name, g in rec["grads"].items():
-                step_stats["grad"].append(compare(g, ref_rec["grads"][name]))
-            for name, p in rec["params"].items():
-                step_stats["param"].append(compare(p, ref_rec["params"][name]))
+            step_stats["grad"].append(compare(flat(rec["grads"]), flat(ref_rec["grads"], rec["grads"])))
+            step_stats["param"].append(compare(flat(rec["params"]), flat(ref_rec["params"], rec["params"])))
             for q in traj:
                 merged = DiffStats.merge(step_stats[q])
                 traj[q].append(merged)

@@ -10,6 +10,7 @@ first (its ranks run in sessions of their own, so killing torchrun's group alone
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,7 +35,8 @@ class RankLog:
 
     def prefixed(self, max_lines: int = 80) -> str:
         lines = (self.stderr.rstrip() or self.stdout.rstrip()).splitlines()[-max_lines:]
-        return "\n".join(f"[rank {self.rank}] {line}" for line in lines)
+        own = f"[rank{self.rank}]:"  # torchrun's own prefix, replaced by ours
+        return "\n".join(f"[rank {self.rank}] {line.removeprefix(own).removeprefix(' ')}" for line in lines)
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,20 @@ class LaunchResult:
         """Why the launch failed, as one prefixed block per rank that said anything useful."""
         head = (f"launch W={self.world_size} timed out after {self.wall_s:.1f}s (stacks below)"
                 if self.timed_out else f"launch W={self.world_size} exited {self.returncode}")
+        root = self.first_failed_rank()
+        if root is not None:
+            head += f"; first failure: rank {root}"
         blocks = [log.prefixed() for log in self.rank_logs if _is_informative(log, self.timed_out)]
         if not blocks:
             tail = "\n".join(self.launcher_output.rstrip().splitlines()[-30:])
             blocks = ["\n".join(f"[torchrun] {line}" for line in tail.splitlines())]
         return head + "\n" + "\n".join(blocks)
+
+    def first_failed_rank(self) -> int | None:
+        """The rank torchrun names as the root cause (first observed failure), if any."""
+        _, _, root = self.launcher_output.partition("Root Cause (first observed failure)")
+        match = re.search(r"rank\s*:\s*(\d+)", root)
+        return int(match.group(1)) if match else None
 
     def failed_ranks(self) -> list[int]:
         return [log.rank for log in self.rank_logs if _is_informative(log, self.timed_out)]

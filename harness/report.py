@@ -98,6 +98,7 @@ def summary_json(report: Report) -> dict:
         row["cell_id"] = r.cell.cell_id
         row["faults"] = list(r.cell.faults)
         row["optimizers"] = sorted(r.optimizers)
+        row["violations"] = [v.to_json() for v in r.violations[:50]]
         row["error"] = r.error
         cells.append(row)
     return {

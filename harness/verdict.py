@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cases.catalog import get_case
-from harness.diff import DiffStats, OptimizerResult, Violation, check_snapshot, compare
+import torch
+
+from harness.diff import DiffStats, OptimizerResult, Violation, check_snapshot, flat
 from harness.orchestrate import RunOutcome
 from harness.plan import Cell, RunPlan
 from harness.snapshot import load_snapshot, load_state, snapshot_path
@@ -52,16 +54,15 @@ class Matrix:
     values: tuple[tuple[float | None, ...], ...]
 
 
-def _trajectory_diff(a: dict, b: dict) -> float:
-    stats = []
-    split_a, split_b = (s["cell"]["data_mode"] == "split" for s in (a, b))
-    for ra, rb in zip(a["steps"], b["steps"]):
-        la = ra["loss"].double().mean() if split_a else ra["loss"].double()[0]
-        lb = rb["loss"].double().mean() if split_b else rb["loss"].double()[0]
-        stats.append(compare(la.float().reshape(1), lb.float().reshape(1)))
-        for q in ("grads", "params"):
-            stats.extend(compare(t, rb[q][n]) for n, t in ra[q].items())
-    return DiffStats.merge(stats).max_abs
+def _trajectory(snap: dict, order: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every step's loss (rank 0's, or the mean of the local losses when split), gradients and
+    parameters as one 1-D tensor, parameters in the order of `order`."""
+    split = snap["cell"]["data_mode"] == "split"
+    parts = []
+    for rec in snap["steps"]:
+        loss = rec["loss"].double().mean() if split else rec["loss"].double()[0]
+        parts += [loss.float().reshape(1), flat(rec["grads"], order), flat(rec["params"], order)]
+    return torch.cat(parts)
 
 
 def evaluate(plan: RunPlan, outcome: RunOutcome) -> tuple[list[CellResult], list[CellResult], list[Matrix]]:
@@ -100,12 +101,16 @@ def evaluate(plan: RunPlan, outcome: RunOutcome) -> tuple[list[CellResult], list
         ref_cell = next(r for r in plan.references if r.case == case_name)
         entries = [("ref", ref_cell)] + [(str(c.world_size), c) for c in members]
         for spec in get_case(case_name).optimizers:
+            traj = {}
+            for _, c in entries:
+                snap = snapshots.get((c.cell_id, spec.kind))
+                traj[c.cell_id] = None if snap is None else _trajectory(snap, snap["init"]["params"])
             values = []
             for _, a in entries:
                 row = []
                 for _, b in entries:
-                    sa, sb = snapshots.get((a.cell_id, spec.kind)), snapshots.get((b.cell_id, spec.kind))
-                    row.append(None if sa is None or sb is None else _trajectory_diff(sa, sb))
+                    ta, tb = traj[a.cell_id], traj[b.cell_id]
+                    row.append(None if ta is None or tb is None else (ta.double() - tb.double()).abs().max().item())
                 values.append(tuple(row))
             matrices.append(Matrix(case_name, impl, mode, spec.kind, tuple(l for l, _ in entries), tuple(values)))
     return cells, references, matrices

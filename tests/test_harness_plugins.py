@@ -31,8 +31,7 @@ class CorruptGatheredElement(Ours):
             def corrupt(module, args):
                 # Runs after the unit's own pre-forward hook: `attr` is a view of the gathered buffer.
                 view = getattr(module.get_submodule(owner_path) if owner_path else module, attr)
-                with torch.no_grad():
-                    view.view(-1)[CORRUPT_INDEX] += CORRUPT_DELTA
+                view.data.view(-1)[CORRUPT_INDEX] += CORRUPT_DELTA  # storage only, not autograd
 
             sub.register_forward_pre_hook(corrupt)
         return wrapped

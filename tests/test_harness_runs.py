@@ -126,9 +126,12 @@ def test_one_corrupted_gathered_element_on_one_rank_is_caught(corrupt_run):
     for cell_id, cell in _cells(corrupt_run).items():
         assert cell["verdict"] == "fail", cell_id
         first = cell["first_divergence"]
-        assert first["step"] == 1 and first["check"] in ("loss", "grad"), first
+        assert first["step"] == 1 and first["check"] in ("ranks", "loss", "grad"), first
         if cell["data"] == "identical":  # only rank 1 computed with the corrupted element
-            assert first["check"] == "loss" and first["rank"] == 1, first
+            assert first["check"] == "ranks" and first["rank"] == 1, first
+            assert "rank 1 disagrees" in cell["first_divergence_text"]
+        grad_names = {v["name"] for v in cell["violations"] if v["check"] == "grad"}
+        assert grad_names, cell  # and the gradients it produced are named, parameter by parameter
         assert cell["first_divergence_text"] in report
     summary = json.loads((Path(corrupt_run["out"]) / "summary.json").read_text())
     assert summary["verdict"] == "fail"
@@ -145,6 +148,7 @@ def test_a_rank_that_raises_ends_the_run_names_the_rank_and_leaves_no_process(tm
     summary = json.loads((out / "summary.json").read_text())
     (cell,) = summary["cells"]
     assert cell["verdict"] == "error"
+    assert "first failure: rank 1" in cell["error"]
     assert "[rank 1] RuntimeError: planted failure: rank 1 raises while wrapping" in cell["error"]
     assert "[rank 1] Traceback" in cell["error"]
     assert _processes_mentioning(str(out)) == []
