@@ -18,6 +18,9 @@ accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is 
                 "shadow": {"loss": () tensor, "grads": {...}, "abs_grads": {...},
                            "params": {...}, "state": {name: {state key: tensor}}}}]}
 
+On disk, every dict whose values are tensors of one dtype is packed into
+{"__packed_tensors__": True, "names", "sizes", "data": one flat tensor}; load_snapshot unpacks.
+
 The shadow is the plain model, on rank 0, stepped from this cell's own parameters of the
 previous step on the global batch: the per-step reference of the error model
 (docs/error_model.md). `abs_grads` is mean over samples of |per-sample gradient|.
@@ -25,6 +28,7 @@ previous step on the global batch: the per-step reference of the error model
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -58,16 +62,46 @@ def write_atomic_text(path: Path, text: str) -> None:
     write_atomic_bytes(path, lambda f: f.write(text.encode()))
 
 
+PACKED = "__packed_tensors__"
+
+
+def _pack(obj):
+    """Every dict whose values are all same-dtype tensors becomes one flat tensor plus names and
+    sizes: a few large tensors load much faster than thousands of small ones."""
+    if isinstance(obj, dict):
+        values = list(obj.values())
+        if values and all(isinstance(v, torch.Tensor) for v in values) and len({v.dtype for v in values}) == 1:
+            return {PACKED: True, "names": list(obj), "sizes": [list(v.shape) for v in values],
+                    "data": torch.cat([v.detach().reshape(-1) for v in values])}
+        return {k: _pack(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_pack(v) for v in obj]
+    return obj
+
+
+def _unpack(obj):
+    if isinstance(obj, dict):
+        if obj.get(PACKED) is True:
+            numels = [math.prod(size) for size in obj["sizes"]]
+            pieces = torch.split(obj["data"], numels)
+            return {n: t.view(size) for n, t, size in zip(obj["names"], pieces, obj["sizes"])}
+        return {k: _unpack(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unpack(v) for v in obj]
+    return obj
+
+
 def save_snapshot(path: Path, snapshot: dict) -> None:
     assert snapshot.get("format") == FORMAT
-    write_atomic_bytes(path, lambda f: torch.save(snapshot, f))
+    packed = _pack(snapshot)
+    write_atomic_bytes(path, lambda f: torch.save(packed, f))
 
 
 def load_snapshot(path: Path) -> dict:
     snapshot = torch.load(path, weights_only=True, map_location="cpu")
     if not isinstance(snapshot, dict) or snapshot.get("format") != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT} snapshot (format={snapshot.get('format') if isinstance(snapshot, dict) else type(snapshot).__name__})")
-    return snapshot
+    return _unpack(snapshot)
 
 
 def save_state(path: Path, state: dict[str, torch.Tensor]) -> None:
