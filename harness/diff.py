@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from cases.catalog import get_case
+from cases.catalog import Case, get_case
 from harness.tolerance import SAFETY_FACTOR, ErrorModel, OptimizerErrorState
 
 CHECK_ORDER = ("init", "ranks", "loss", "grad", "param", "padding")
@@ -188,11 +188,13 @@ def _rank_disagreement(optimizer: str, step: int, losses: torch.Tensor, expected
             for r, v in enumerate(values) if v != agreed]
 
 
-def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | None) -> OptimizerResult:
+def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | None,
+                   case: Case | None = None) -> OptimizerResult:
     """All checks of one (cell, optimizer) snapshot. `init_state` is the reference initial state
-    every rank loaded; `ref` the reference run's snapshot (None: no trajectory comparison)."""
+    every rank loaded; `ref` the reference run's snapshot (None: no trajectory comparison);
+    `case` the cell's case when it is not in the catalog (the fuzzer's drawn models)."""
     cell = snap["cell"]
-    case = get_case(cell["case"])
+    case = case if case is not None else get_case(cell["case"])
     spec = case.optimizer(snap["optimizer"])
     model = ErrorModel(case.global_batch * case.terms_per_sample + case.accumulation_length(), case.tolerance_scale)
     opt_state = OptimizerErrorState(spec, model.u)

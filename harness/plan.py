@@ -56,7 +56,9 @@ class Cell:
     def cell_id(self) -> str:
         if self.is_reference:
             return f"ref.{self.case}"
-        return f"{self.case}.{self.impl_label}.w{self.world_size}.{self.data_mode}"
+        base = f"{self.case}.{self.impl_label}.w{self.world_size}.{self.data_mode}"
+        # Cells of one launch that differ only in planted faults (the mutants verb) need their own ids.
+        return base + "".join(f".{f}" for f in self.faults)
 
     def to_json(self) -> dict:
         return asdict(self)
