@@ -15,7 +15,7 @@ from pathlib import Path
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CANNOT_TEST = 0, 1, 2, 125
 PENDING_VERBS = {
-    "bisect": "issue 5", "baseline": "issue 5", "fuzz": "issue 4", "mutants": "issue 4", "bench": "issue 7",
+    "fuzz": "issue 4", "mutants": "issue 4", "bench": "issue 7",
 }
 
 
@@ -53,6 +53,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_matrix_args(gate, cases="mlp,transformer", impls="ours", world_sizes="1,2,4",
                      data="identical,split", out="runs/gate")
     gate.add_argument("--full", action="store_true", help="world sizes 1,2,4,8")
+    gate.add_argument("--baseline", default=None, metavar="FILE",
+                      help="also fail when the single-process reference drifts from this golden baseline "
+                           "(from `baseline record`; one from another torch/backend/device/threads is refused, exit 2)")
+    baseline = verbs.add_parser("baseline", help="golden baselines of the single-process reference (see gate --baseline)")
+    baseline_verbs = baseline.add_subparsers(dest="baseline_verb", required=True, parser_class=_Parser)
+    record = baseline_verbs.add_parser("record", help="run the reference (impl=single, W = 1) and store its digests")
+    record.add_argument("--out", required=True, metavar="FILE", help="the baseline JSON file to write")
+    record.add_argument("--cases", default="mlp,transformer", help="comma-separated case names (default mlp,transformer)")
+    record.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the case's)")
+    record.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1; part of the baseline's key)")
+    record.add_argument("--timeout", type=float, default=600.0, help="seconds for the launch (default 600)")
+    record.add_argument("--work-dir", default="runs/baseline", help="snapshots and logs (default runs/baseline)")
+    record.add_argument("--quiet", action="store_true", help="no progress display")
+    bisect = verbs.add_parser(
+        "bisect", allow_abbrev=False,
+        help="find the first commit whose gate fails: bisect --good REV --bad REV [gate flags]",
+        description="Every other flag is passed to each commit's own `python -m harness gate`.")
+    bisect.add_argument("--good", required=True, help="a revision whose gate passes")
+    bisect.add_argument("--bad", required=True, help="a later revision whose gate fails")
+    bisect.add_argument("--repo", default=".", help="the git repository (default: the current directory's)")
+    bisect.add_argument("--out", default="runs/bisect", help="per-commit gate reports (default runs/bisect)")
     verbs.add_parser("list", help="cases, implementations and planted faults")
     for verb, issue in PENDING_VERBS.items():
         stub = verbs.add_parser(verb, help=f"not implemented yet ({issue})")
@@ -91,35 +112,32 @@ def cmd_run(args, argv: list[str]) -> int:
     from harness.verdict import evaluate
 
     plan = _plan_from_args(args)
+    baseline = None
+    if getattr(args, "baseline", None):
+        from harness.baseline import load_baseline
+
+        baseline = load_baseline(args.baseline, plan)  # refused before any rank starts
     _clear_generated(plan)
     outcome = run_plan(plan, None if args.quiet else Progress(plan))
     cells, references, matrices = evaluate(plan, outcome)
     command = "python -m harness " + " ".join(shlex.quote(a) for a in argv)
     report = build_report(cells, references, matrices, outcome, command)
+    baseline_results = []
+    if baseline is not None:
+        from harness.baseline import check_baseline
+        from harness.gate import apply_baseline
+
+        baseline_results = check_baseline(plan, baseline, args.baseline)
+        report = apply_baseline(report, baseline_results)
     written = write_reports(report, plan.out_dir)
     console_summary(report)
     if args.verb == "gate":
-        summary = _gate_summary(report)
-        from harness.snapshot import write_atomic_text
+        from harness.gate import print_baseline, write_gate_outputs
 
-        write_atomic_text(plan.out_dir / "summary.md", summary)
-        step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
-        if step_summary:
-            with open(step_summary, "a") as f:
-                f.write(summary + "\n")
+        write_gate_outputs(report, plan.out_dir, baseline_results)
+        print_baseline(baseline_results)
     print(f"reports: {written['report.md']}")
     return EXIT_PASS if report.verdict == "pass" else EXIT_FAIL
-
-
-def _gate_summary(report) -> str:
-    lines = [f"## FSDP equivalence gate: {report.verdict.upper()}", "",
-             "| cell | verdict | max_abs_diff | first divergence |", "| --- | --- | --- | --- |"]
-    for r in report.cells:
-        traj = r.trajectory()
-        first = r.first_divergence.describe(r.cell.cell_id) if r.first_divergence else (
-            (r.error or "").splitlines()[0] if r.error else "")
-        lines.append(f"| {r.cell.cell_id} | {r.verdict} | {traj.max_abs if traj else 'n/a'} | {first.replace('|', '/')} |")
-    return "\n".join(lines) + "\n"
 
 
 def cmd_list() -> int:
@@ -143,10 +161,33 @@ def cmd_list() -> int:
     return EXIT_PASS
 
 
+def cmd_baseline_record(args) -> int:
+    from harness.baseline import baseline_from_snapshots, reference_plan, write_baseline
+    from harness.orchestrate import Progress, run_plan
+    from harness.plan import build_plan, parse_csv
+
+    plan = reference_plan(build_plan(cases=parse_csv(args.cases, "cases"), impls=("single",), world_sizes=(1,),
+                                     data_modes=("identical",), steps=args.steps, timeout_s=args.timeout,
+                                     out_dir=args.work_dir, threads=args.threads))
+    _clear_generated(plan)
+    outcome = run_plan(plan, None if args.quiet else Progress(plan))
+    if outcome.errors:
+        for cell_id, error in outcome.errors.items():
+            print(f"ERROR {cell_id}:\n{error}")
+        print("baseline record: the reference run failed; nothing written", file=sys.stderr)
+        return EXIT_FAIL
+    baseline = baseline_from_snapshots(plan)
+    write_baseline(Path(args.out), baseline)
+    print(f"baseline: {args.out} (cases {sorted(baseline['cases'])}, key {baseline['key']})")
+    return EXIT_PASS
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
+        if extra and args.verb != "bisect":  # bisect passes every other flag on to each commit's gate
+            raise UsageError(f"harness {args.verb}: unrecognized arguments: {' '.join(extra)}")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -155,12 +196,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAIL
     if args.verb == "list":
         return cmd_list()
+    if args.verb == "bisect":  # imports nothing of the project: each commit is tested by its own code
+        from harness.bisect import BisectError, bisect
+
+        try:
+            return bisect(args.repo, args.good, args.bad, extra, args.out)
+        except BisectError as e:
+            print(f"harness bisect: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         import torch  # noqa: F401
 
         import cases.catalog  # noqa: F401
         import harness.orchestrate  # noqa: F401
-        if "ours" in args.impls.split(","):
+        if "ours" in getattr(args, "impls", "").split(","):
             import impl  # noqa: F401
     except Exception as e:  # the project itself does not import: nothing can be tested
         traceback.print_exc()
@@ -169,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     from harness.plan import PlanError
 
     try:
+        if args.verb == "baseline":
+            return cmd_baseline_record(args)
         return cmd_run(args, argv)
     except PlanError as e:
         print(f"harness {args.verb}: error: {e}", file=sys.stderr)

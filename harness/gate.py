@@ -1,0 +1,117 @@
+"""What `gate` adds to a run's reports: the CI-facing outputs, written by the parent.
+
+- junit.xml: report.py's one test case per cell, plus one per reference cell (a crashed
+  reference fails the gate, so CI must show it) and, with --baseline, one per case checked
+  against the golden baseline (harness/baseline.py); the failure message is the first divergence.
+- summary.md: one row per cell (crashed and hung cells included) with its first divergence; also
+  appended to $GITHUB_STEP_SUMMARY when that is set (GitHub Actions renders it on the run page).
+- report.md: a "Golden baseline" section when --baseline was given.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+from harness.baseline import BaselineResult
+from harness.report import Report
+from harness.snapshot import write_atomic_text
+
+MAX_FAILURE_LINES = 20
+
+
+def apply_baseline(report: Report, results: list[BaselineResult]) -> Report:
+    if any(r.verdict != "pass" for r in results):
+        return replace(report, verdict="fail")
+    return report
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+
+
+def _cell_rows(report: Report) -> list[tuple[str, str, str, str]]:
+    """(cell id, verdict, max_abs_diff, first divergence or first error line) for cells, then references."""
+    rows = []
+    for r in report.cells + [r for r in report.references if r.verdict != "pass"]:
+        traj = r.trajectory()
+        first = r.first_divergence.describe(r.cell.cell_id) if r.first_divergence else _first_line(r.error)
+        rows.append((r.cell.cell_id, r.verdict, f"{traj.max_abs:.3g}" if traj else "n/a", first))
+    return rows
+
+
+def render_summary(report: Report, baseline: list[BaselineResult]) -> str:
+    lines = [f"## FSDP equivalence gate: {report.verdict.upper()}", "",
+             f"`{report.command}`", "",
+             "| cell | verdict | max_abs_diff | first divergence |", "| --- | --- | --- | --- |"]
+    for cell_id, verdict, max_abs, first in _cell_rows(report):
+        lines.append(f"| {cell_id} | {verdict} | {max_abs} | {first.replace('|', '/')} |")
+    for b in baseline:
+        first = b.violations[0].describe(b.path) if b.violations else (b.error or f"{b.num_checked} values within tolerance")
+        lines.append(f"| {b.cell_id} | {b.verdict} | | {first.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_baseline_section(baseline: list[BaselineResult]) -> str:
+    out = ["", "## Golden baseline", "",
+           f"The single-process reference of this run against `{baseline[0].path}` (losses and the "
+           "sum/norm digests of every gradient and parameter, per step; [Note: Baseline tolerance] in "
+           "harness/baseline.py).", ""]
+    for b in baseline:
+        out.append(f"- {b.cell_id}: **{b.verdict}** ({b.num_checked} values checked)")
+        if b.error:
+            out.append(f"  - {b.error}")
+        for v in b.violations[:5]:
+            out.append(f"  - {v.describe(b.path)}")
+    return "\n".join(out) + "\n"
+
+
+def extend_junit(path: Path, report: Report, baseline: list[BaselineResult]) -> None:
+    root = ET.parse(path).getroot()
+    for r in report.references:
+        case = ET.SubElement(root, "testcase", classname="harness.reference", name=r.cell.cell_id)
+        if r.verdict == "fail":
+            ET.SubElement(case, "failure", message=r.first_divergence.describe(r.cell.cell_id))
+        elif r.verdict == "error":
+            ET.SubElement(case, "error", message=_first_line(r.error)).text = r.error
+    for b in baseline:
+        case = ET.SubElement(root, "testcase", classname="harness.baseline", name=b.cell_id)
+        if b.error:
+            ET.SubElement(case, "error", message=b.error)
+        elif b.violations:
+            ET.SubElement(case, "failure", message=b.violations[0].describe(b.path)).text = "\n".join(
+                v.describe(b.path) for v in b.violations[:MAX_FAILURE_LINES])
+    cases = root.findall("testcase")
+    root.set("tests", str(len(cases)))
+    root.set("failures", str(sum(c.find("failure") is not None for c in cases)))
+    root.set("errors", str(sum(c.find("error") is not None for c in cases)))
+    write_atomic_text(path, ET.tostring(root, encoding="unicode", xml_declaration=True))
+
+
+def write_gate_outputs(report: Report, out_dir: Path, baseline: list[BaselineResult]) -> str:
+    """junit.xml extended, summary.md written (and appended to $GITHUB_STEP_SUMMARY), report.md
+    given its baseline section. Returns the summary."""
+    out_dir = Path(out_dir)
+    extend_junit(out_dir / "junit.xml", report, baseline)
+    if baseline:
+        with open(out_dir / "report.md", "a") as f:
+            f.write(render_baseline_section(baseline))
+    summary = render_summary(report, baseline)
+    write_atomic_text(out_dir / "summary.md", summary)
+    step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if step_summary:
+        with open(step_summary, "a") as f:
+            f.write(summary + "\n")
+    return summary
+
+
+def print_baseline(baseline: list[BaselineResult]) -> None:
+    for b in baseline:
+        if b.error:
+            print(f"BASELINE ERROR {b.cell_id}: {b.error}")
+        for v in b.violations[:5]:
+            print(f"BASELINE FAIL {v.describe(b.path)}")
+        if b.verdict == "pass":
+            print(f"baseline {b.path}: case={b.case} pass ({b.num_checked} values within tolerance)")
