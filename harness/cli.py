@@ -15,7 +15,7 @@ from pathlib import Path
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CANNOT_TEST = 0, 1, 2, 125
 PENDING_VERBS = {
-    "fuzz": "issue 4", "mutants": "issue 4", "bench": "issue 7",
+    "bench": "issue 7",
 }
 
 
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     bisect.add_argument("--repo", default=".", help="the git repository (default: the current directory's)")
     bisect.add_argument("--out", default="runs/bisect", help="per-commit gate reports (default runs/bisect)")
     verbs.add_parser("list", help="cases, implementations and planted faults")
+    _add_issue4_verbs(verbs)
     for verb, issue in PENDING_VERBS.items():
         stub = verbs.add_parser(verb, help=f"not implemented yet ({issue})")
         stub.add_argument("rest", nargs=argparse.REMAINDER)
@@ -182,6 +183,52 @@ def cmd_baseline_record(args) -> int:
     return EXIT_PASS
 
 
+def _add_issue4_verbs(verbs) -> None:
+    fuzz = verbs.add_parser("fuzz", help="hypothesis-drawn models through a persistent pool of W ranks (impl=ours)")
+    fuzz.add_argument("--world-size", type=int, default=4, help="ranks in the pool (default 4)")
+    fuzz.add_argument("--max-examples", type=int, default=40, help="examples hypothesis generates (default 40)")
+    fuzz.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
+    fuzz.add_argument("--replay", default=None, help="run one spec (the JSON a failure prints) instead of fuzzing")
+    fuzz.add_argument("--out", default="runs/fuzz", help="pool logs (default runs/fuzz)")
+    fuzz.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
+    fuzz.add_argument("--example-timeout", type=float, default=60.0,
+                      help="seconds per example before the pool is restarted (default 60)")
+    fuzz.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted impl/ bugs: the fuzzer must fail
+    mutants = verbs.add_parser("mutants", help="every planted fault of impl/ caught; honest runs within half the tolerance")
+    mutants.add_argument("--out", default="runs/mutants", help="output directory (default runs/mutants)")
+    mutants.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun launch (default 900)")
+    mutants.add_argument("--only", default="", help="comma-separated faults (default: every fault of impl.FAULTS)")
+
+
+def cmd_fuzz_or_mutants(args) -> int:
+    try:
+        import impl  # noqa: F401
+    except Exception as e:  # the project itself does not import: nothing can be tested
+        traceback.print_exc()
+        print(f"harness: cannot test: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_CANNOT_TEST
+    from harness.plan import PlanError, parse_csv
+
+    try:
+        if args.verb == "fuzz":
+            from harness.fuzz import main as fuzz_main
+
+            ok = fuzz_main(args.world_size, args.max_examples, args.seed,
+                           parse_csv(args.faults, "faults") if args.faults else (), args.replay,
+                           Path(args.out), args.threads, args.example_timeout)
+        else:
+            from harness.mutants import main as mutants_main
+
+            ok = mutants_main(Path(args.out), args.timeout, parse_csv(args.only, "only") if args.only else None)
+    except (ValueError, PlanError) as e:
+        print(f"harness {args.verb}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("harness: interrupted", file=sys.stderr)
+        return EXIT_FAIL
+    return EXIT_PASS if ok else EXIT_FAIL
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -196,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAIL
     if args.verb == "list":
         return cmd_list()
+    if args.verb in ("fuzz", "mutants"):
+        return cmd_fuzz_or_mutants(args)
     if args.verb == "bisect":  # imports nothing of the project: each commit is tested by its own code
         from harness.bisect import BisectError, bisect
 

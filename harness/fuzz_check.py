@@ -1,0 +1,128 @@
+"""One fuzz example end to end: request the pool, rebuild full tensors from the ranks' raw shards,
+step the single-process shadow reference, and judge with the harness's own checks.
+
+The snapshot assembled here has the format of `harness.snapshot` (minus the trajectory
+reference), so `harness.diff.check_snapshot` applies the same error model, padding and
+rank-agreement checks to a drawn model as to a catalog case.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.diff import CHECK_ORDER, Violation, check_snapshot
+from harness.fuzz_pool import ExampleError, RankPool
+from harness.fuzz_spec import ModelSpec, as_case, init_state
+from harness.plan import Cell
+from harness.snapshot import FORMAT
+from harness.worker import Shadow
+
+
+@dataclass
+class ExampleResult:
+    spec: ModelSpec
+    faults: tuple[str, ...]
+    violations: list[Violation] = field(default_factory=list)
+    margins: dict[str, float] = field(default_factory=dict)  # check -> max |diff| / tol
+    error: str | None = None  # a rank raised, died or hung
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.violations
+
+    @property
+    def first_divergence(self) -> Violation | None:
+        return min(self.violations, key=Violation.sort_key) if self.violations else None
+
+    @property
+    def max_ratio(self) -> float:
+        """The largest |diff| / tol of the checks that judged (inf for an exact check broken)."""
+        if self.violations:
+            return max(v.ratio for v in self.violations)
+        return max((self.margins.get(c, 0.0) for c in CHECK_ORDER), default=0.0)
+
+    def summary(self) -> str:
+        if self.error is not None:
+            return "error: " + self.error.strip().splitlines()[-1]
+        first = self.first_divergence
+        return "pass" if first is None else first.describe("fuzz")
+
+
+def _full(rows: torch.Tensor, layout: dict, names: set[str]) -> dict[str, torch.Tensor]:
+    """(W, shard_numel) raw shards -> full tensors under the plain model's names."""
+    padded = rows.reshape(-1)
+    prefix = f"{layout['unit']}." if layout["unit"] else ""
+    out = {}
+    for fqns, size, offset, numel in layout["slots"]:
+        for fqn in fqns:
+            if prefix + fqn in names:
+                out[prefix + fqn] = padded[offset : offset + numel].view(size).clone()
+    return out
+
+
+def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[dict],
+                      init: dict[str, torch.Tensor]) -> dict:
+    case = as_case(spec)
+    layouts = json.loads(replies[0]["layouts"])
+    names = set(dict(case.build_model().named_parameters()))
+
+    def stack(per_rank: list[dict]) -> dict[str, torch.Tensor]:
+        return {key: torch.stack([r[key] for r in per_rank]) for key in per_rank[0]}
+
+    def full(stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, rows in stacked.items():
+            out.update(_full(rows, layouts[key], names))
+        return out
+
+    name_layouts = {}
+    for key, layout in layouts.items():
+        shard_numel = -(-sum(s[3] for s in layout["slots"]) // layout["world_size"])
+        for fqns, _, offset, _ in layout["slots"]:
+            for fqn in fqns:
+                name_layouts[f"{layout['unit']}.{fqn}" if layout["unit"] else fqn] = {
+                    "kind": "flat", "unit": layout["unit"] or "<root>", "offset": offset,
+                    "shard_numel": shard_numel, "world_size": layout["world_size"],
+                    "unpadded_numel": sum(s[3] for s in layout["slots"])}
+    padding_bounds = {}
+    for key, layout in layouts.items():
+        unpadded = sum(s[3] for s in layout["slots"])
+        shard_numel = -(-unpadded // layout["world_size"])
+        padding_bounds[key] = [[min(max(unpadded - r * shard_numel, 0), shard_numel), shard_numel]
+                               for r in range(layout["world_size"])]
+
+    shadow = Shadow(case, spec.optimizer, init)
+    steps, params_before = [], full(stack([r["init"] for r in replies]))
+    for t in range(spec.steps):
+        shards = stack([r["data"][t] for r in replies])
+        shard_grads = stack([r["grads"][t] for r in replies]) if replies[0]["grads"][t] else {}
+        params = full(shards)
+        batch = case.make_batch(case.seed, t + 1, case.global_batch)
+        steps.append({"step": t + 1, "loss": torch.stack([r["loss"][t] for r in replies]),
+                      "grads": full(shard_grads), "params": params, "shards": shards,
+                      "shard_grads": shard_grads, "padding_bounds": padding_bounds,
+                      "shadow": shadow.step(params_before, batch)})
+        params_before = params
+    cell = Cell("fuzz", "ours", spec.world_size, spec.data_mode, spec.steps, faults=tuple(sorted(faults)))
+    return {"format": FORMAT, "cell": cell.to_json(), "optimizer": spec.optimizer.kind,
+            "world_size": spec.world_size, "layouts": name_layouts,
+            "init": {"params": full(stack([r["init"] for r in replies]))}, "steps": steps}
+
+
+def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = ()) -> ExampleResult:
+    init = init_state(spec)
+    try:
+        replies = pool.run({"spec": spec.to_json(), "faults": list(faults), "init": init})
+    except ExampleError as e:
+        return ExampleResult(spec, faults, error=str(e))
+    snap = assemble_snapshot(spec, faults, replies, init)
+    names = snap["init"]["params"]
+    result = check_snapshot(snap, {n: init[n] for n in names}, None, case=as_case(spec))
+    missing = sorted(set(dict(as_case(spec).build_model().named_parameters())) - set(names))
+    out = ExampleResult(spec, faults, result.violations, result.margins)
+    if missing:  # a parameter the shards never mention is evidence lost, not a pass
+        out.error = f"parameters missing from every rank's shards: {missing}"
+    return out

@@ -1,0 +1,124 @@
+"""Inside every rank of the fuzzer's persistent pool: serve examples until told to stop.
+
+Run as `python -m torch.distributed.run ... -m harness.fuzz_worker CONFIG`. The config file names
+the orchestrator's TCPStore; request i is the key `req/<i>` (a torch.save of the spec as JSON,
+the faults and the reference initial state), and every rank answers under `rep/<i>/<rank>` with
+its own raw shards per step (no collective is spent on evidence: the orchestrator stacks the
+ranks' shards itself). A rank that raises answers with its traceback; the orchestrator then
+restarts the pool, since the other ranks may be stuck in a collective.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import json
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cases.data import local_batch
+from harness.fuzz_spec import ModelSpec, as_case
+from harness.impls import Ours, RankContext
+
+
+def _shards(model) -> tuple[dict, dict]:
+    from impl import local_shards
+
+    data, grads = {}, {}
+    for s in local_shards(model):
+        key = f"{s.unit_fqn or '<root>'}/{s.param_name}"
+        data[key] = s.data
+        if s.grad is not None:
+            grads[key] = s.grad
+    return data, grads
+
+
+def _layouts(model) -> dict:
+    from impl import local_shards
+
+    out = {}
+    for s in local_shards(model):
+        out[f"{s.unit_fqn or '<root>'}/{s.param_name}"] = {
+            "unit": s.unit_fqn,
+            "world_size": s.world_size,
+            "slots": [[list(slot.fqns), list(slot.size), slot.offset, slot.numel] for slot in s.layout.slots],
+        }
+    return out
+
+
+def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.Tensor], ctx: RankContext) -> dict:
+    """Train the spec through impl=ours; this rank's raw shards after init and at every step."""
+    case = as_case(spec)
+    model = case.build_model()
+    model.load_state_dict(init)
+    wrapped = Ours().wrap(model, case.wrap, ctx, faults)
+    optim = spec.optimizer.build(wrapped.parameters())
+    init_data, _ = _shards(wrapped)
+    losses, step_grads, step_data = [], [], []
+    for step in range(1, spec.steps + 1):
+        batch = case.make_batch(case.seed, step, case.global_batch)
+        inputs, targets = local_batch(batch, spec.data_mode, ctx.rank, ctx.world_size)
+        optim.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(())
+        for x, y in zip(inputs.chunk(spec.accumulation), targets.chunk(spec.accumulation)):
+            loss = case.loss_fn(wrapped(x), y) / spec.accumulation
+            loss.backward()
+            loss_sum += loss.detach()
+        _, grads = _shards(wrapped)
+        optim.step()
+        data, _ = _shards(wrapped)
+        losses.append(loss_sum)
+        step_grads.append(grads)
+        step_data.append(data)
+    return {"layouts": json.dumps(_layouts(wrapped)), "init": init_data, "loss": torch.stack(losses),
+            "grads": step_grads, "data": step_data}
+
+
+def _encode(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def decode(raw: bytes):
+    return torch.load(io.BytesIO(raw), weights_only=True)
+
+
+def main(argv: list[str]) -> int:
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    cfg = json.loads(Path(argv[1]).read_text())
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["collective_timeout_s"]))
+    ctx = RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+    store = dist.TCPStore(cfg["host"], cfg["port"], is_master=False,
+                          timeout=timedelta(seconds=cfg["idle_timeout_s"]))
+    store.set(f"ready/{ctx.rank}", "1")
+    i = 0
+    while True:
+        request = decode(store.get(f"req/{i}"))
+        if request.get("stop"):
+            break
+        try:
+            spec = ModelSpec.from_json(request["spec"])
+            if spec.world_size != ctx.world_size:
+                raise ValueError(f"spec world_size={spec.world_size} but the pool has {ctx.world_size} ranks")
+            reply = run_example(spec, frozenset(request["faults"]), request["init"], ctx)
+        except Exception:
+            reply = {"error": f"rank {ctx.rank}: " + traceback.format_exc()}
+        store.set(f"rep/{i}/{ctx.rank}", _encode(reply))
+        if "error" in reply:
+            break  # the pool is restarted: other ranks may be stuck in a collective
+        i += 1
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
