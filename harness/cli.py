@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         except BisectError as e:
             print(f"harness bisect: error: {e}", file=sys.stderr)
             return EXIT_USAGE
+        except KeyboardInterrupt:
+            print("harness bisect: interrupted (the temporary worktree was removed)", file=sys.stderr)
+            return EXIT_FAIL
     try:
         import torch  # noqa: F401
 

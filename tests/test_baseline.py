@@ -1,0 +1,101 @@
+"""Golden baselines: `baseline record`, `gate --baseline`, and refusing a foreign baseline."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+import pytest
+import torch
+
+from scratch_repo import REPO, copy_project, harness, scale_first_layer_init
+
+sys.path.insert(0, str(REPO))
+from harness.baseline import BaselineResult, _check_digests, digest  # noqa: E402
+
+CHEAP = ["--cases", "mlp", "--steps", "2"]
+
+
+def test_a_digest_outside_the_summed_tolerance_fails_and_inside_passes():
+    g = torch.linspace(-1, 1, 50)
+    tol = torch.full_like(g, 1e-6)
+    recorded = {"w": digest(g)}
+    ok = BaselineResult("b.json", "mlp")
+    _check_digests(ok, "sgd", 1, "grad", {"w": g + 0.9e-6}, recorded, {"w": tol})
+    assert not ok.violations and ok.num_checked == 2
+    bad = BaselineResult("b.json", "mlp")
+    _check_digests(bad, "sgd", 1, "grad", {"w": g + 1.1e-6}, recorded, {"w": tol})
+    assert [v.stat for v in bad.violations] == ["sum"]  # 50 x 1.1e-6 > 50 x 1e-6
+    assert bad.violations[0].describe("b.json").startswith("baseline b.json: case=mlp optimizer=sgd step=1 grad 'w' sum")
+
+
+def _foreign(baseline: dict, **key) -> dict:
+    return {**baseline, "key": {**baseline["key"], **key}}
+
+
+def _synthetic_baseline() -> dict:
+    from harness.baseline import FORMAT, environment_key
+
+    return {"format": FORMAT, "key": environment_key(1), "recorded": {}, "cases": {"mlp": {"steps": 2, "optimizers": {}}}}
+
+
+@pytest.mark.parametrize("key", [{"torch": "2.0.0"}, {"device": "cuda"}, {"backend": "nccl"}, {"threads": 4}])
+def test_a_baseline_from_another_environment_is_refused_before_any_rank_starts(tmp_path, key):
+    from harness.baseline import BaselineRefused, load_baseline
+    from harness.plan import build_plan
+
+    path = tmp_path / "foreign.json"
+    path.write_text(json.dumps(_foreign(_synthetic_baseline(), **key)))
+    plan = build_plan(cases=("mlp",), impls=("ours",), world_sizes=(1,), steps=2, out_dir=tmp_path / "gate")
+    (field, value), = key.items()
+    with pytest.raises(BaselineRefused, match=re.escape(f"recorded under another environment ({field}: baseline={value!r}")):
+        load_baseline(path, plan)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("baseline") / "baseline.json"
+    rc, out = harness(["baseline", "record", *CHEAP, "--out", str(path), "--work-dir", str(path.parent / "work"),
+                       "--quiet"], cwd=REPO, timeout=600)
+    assert rc == 0, out[-4000:]
+    return path
+
+
+def _baseline_case(out: Path) -> ET.Element:
+    root = ET.parse(out / "junit.xml").getroot()
+    return next(c for c in root.findall("testcase") if c.get("name") == "baseline.mlp")
+
+
+@pytest.mark.slow
+def test_recorded_baseline_passes_and_a_foreign_copy_is_refused(recorded, tmp_path):
+    rc, out = harness(["gate", *CHEAP, "--world-sizes", "1", "--baseline", str(recorded), "--out", str(tmp_path / "gate"),
+                       "--quiet"], cwd=REPO, timeout=600)
+    assert rc == 0, out[-4000:]
+    assert len(_baseline_case(tmp_path / "gate")) == 0
+    assert "| baseline.mlp | pass |" in (tmp_path / "gate" / "summary.md").read_text()
+
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps(_foreign(json.loads(recorded.read_text()), torch="2.5.1")))
+    rc, out = harness(["gate", *CHEAP, "--world-sizes", "1", "--baseline", str(foreign), "--out", str(tmp_path / "g2")],
+                      cwd=REPO, timeout=120)
+    assert rc == 2 and f"--baseline={foreign} was recorded under another environment (torch: baseline='2.5.1'" in out, out
+
+
+@pytest.mark.slow
+def test_a_scaled_layer_init_fails_the_baseline_while_the_sharding_checks_pass(recorded, tmp_path):
+    project = copy_project(tmp_path / "project")
+    scale_first_layer_init(project)
+    rc, out = harness(["gate", *CHEAP, "--world-sizes", "1", "--baseline", str(recorded), "--out", str(tmp_path / "gate"),
+                       "--quiet"], cwd=project, timeout=600)
+    assert rc == 1, out[-4000:]
+    failure = _baseline_case(tmp_path / "gate").find("failure")
+    assert failure is not None
+    assert failure.get("message").startswith(f"baseline {recorded}: case=mlp optimizer=")
+    assert "step=0 init 'layers.0.weight'" in failure.get("message")
+    root = ET.parse(tmp_path / "gate" / "junit.xml").getroot()
+    others = [c for c in root.findall("testcase") if c.get("name") != "baseline.mlp"]
+    assert others and all(len(c) == 0 for c in others)  # the sharded runs still match their own reference
+    assert f"BASELINE FAIL baseline {recorded}" in out
