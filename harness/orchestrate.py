@@ -1,7 +1,8 @@
 """The parent process of a run: initial states, one launch per world size, then diff and report.
 
-A launch that crashes or hangs costs only the cell it was running: the cells of that world size
-that never started are launched again without it, so every other cell still gets its verdict.
+A launch that crashes costs only the cell it was running: the cells of that world size that never
+started are launched again without it, so every other cell still gets its verdict. A launch that
+hangs is killed at --timeout and not retried; its unfinished cells become errors.
 """
 
 from __future__ import annotations
@@ -98,6 +99,13 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
                     break
                 culprit, pending = remaining[0], remaining[1:]
                 outcome.errors[culprit.cell_id] = result.failure_text()
+                if result.timed_out:
+                    # A hang is not retried: each retry could cost another --timeout, and the
+                    # run must end within --timeout (per launch) plus a few seconds.
+                    for cell in pending:
+                        outcome.errors[cell.cell_id] = (f"not run: launch W={world_size} timed out while "
+                                                        f"running {culprit.cell_id}")
+                    break
                 attempt += 1
     if progress is not None:
         progress.update(plan.world_sizes[-1])
