@@ -85,13 +85,17 @@ def failing_cells_report(step_dir: Path) -> str:
         return f"  (no gate summary in {step_dir}; gate exit {info.get('gate_exit')})"
     data = json.loads(summary.read_text())
     lines = []
+    def first_line(text: str | None) -> str:
+        return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+
     for cell in data["cells"]:
-        if cell["verdict"] != "pass":
-            what = cell.get("first_divergence_text") or (cell.get("error") or "").strip().splitlines()[:1]
-            lines.append(f"  {cell['verdict'].upper()} {what if isinstance(what, str) else ' '.join(what)}")
+        if cell["verdict"] == "fail":
+            lines.append(f"  FAIL {cell['first_divergence_text']}")
+        elif cell["verdict"] != "pass":
+            lines.append(f"  {cell['verdict'].upper()} {cell['cell_id']}: {first_line(cell.get('error'))}")
     for ref in data.get("references", []):
         if ref["verdict"] != "pass":
-            lines.append(f"  REFERENCE {ref['verdict'].upper()} {ref['case']}: {(ref.get('error') or '').strip()[:300]}")
+            lines.append(f"  {ref['verdict'].upper()} ref.{ref['case']}: {first_line(ref.get('error'))}")
     md = step_dir / "summary.md"
     if md.exists():
         lines.append(f"  (gate summary: {md}; full report: {step_dir / 'report.md'})")

@@ -1,8 +1,7 @@
 """Scratch git repositories built from this project's files, for the bisect and baseline tests.
 
 Not a test module (pytest collects test_*.py only). The copy is the work tree as git sees it
-(tracked and untracked-but-not-ignored files), so the tests exercise the code being tested,
-not the last commit.
+(tracked and untracked-but-not-ignored files) or the last commit; see copy_project.
 """
 
 from __future__ import annotations
@@ -25,7 +24,16 @@ def git(repo: Path, *args: str) -> str:
     return proc.stdout.strip()
 
 
-def copy_project(dst: Path) -> Path:
+def copy_project(dst: Path, source: str = "worktree") -> Path:
+    """The project's files into `dst`: the work tree as git sees it (tracked and untracked-but-not-
+    ignored files: the code under test), or with source="head" the last commit (a consistent
+    project even while files are being edited, e.g. to build a history on top of it)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    if source == "head":
+        archive = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=REPO, capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(dst)], input=archive.stdout, check=True)
+        return dst
+    assert source == "worktree", f"source={source!r} is not 'worktree' or 'head'"
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                             capture_output=True, text=True, check=True).stdout.split("\0")
     for rel in filter(None, listed):

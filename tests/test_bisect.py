@@ -30,7 +30,8 @@ def test_step_exit_codes_follow_git_bisect_run():
 
 @pytest.mark.slow
 def test_bisect_names_the_commit_that_drops_the_gradient_average(tmp_path):
-    repo = copy_project(tmp_path / "repo")
+    # The last commit's project (a history needs commits), bisected by the work tree's bisect verb.
+    repo = copy_project(tmp_path / "repo", source="head")
     good = init_repo(repo)
     append(repo / "README.md", "\nA neutral note.\n")
     commit_all(repo, "docs: a neutral note")
@@ -42,8 +43,8 @@ def test_bisect_names_the_commit_that_drops_the_gradient_average(tmp_path):
     commit_all(repo, "cases: a neutral comment")
     before = repo_state(repo)
 
-    rc, out = harness(["bisect", "--good", good, "--bad", "HEAD", "--out", str(tmp_path / "bisect"), *CHEAP_GATE],
-                      cwd=repo, timeout=1200)
+    rc, out = harness(["bisect", "--repo", str(repo), "--good", good, "--bad", "HEAD", "--out", str(tmp_path / "bisect"),
+                       *CHEAP_GATE], cwd=REPO, timeout=1200)
 
     assert rc == 0, out[-4000:]
     assert f"first bad commit: {bug} impl: skip the division after the reduce-scatter" in out, out[-4000:]
