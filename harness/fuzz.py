@@ -63,10 +63,15 @@ def block_specs(draw, world_size: int, in_features: int, depth: int = 1) -> Bloc
                      wrap=not wrap, inner=inner)  # wrap=True shrinks to False: prefer wrapped units
 
 
-@st.composite
-def model_specs(draw, world_size: int) -> ModelSpec:
+def model_specs(world_size: int) -> st.SearchStrategy[ModelSpec]:
+    """Models for a pool of `world_size` ranks (checked here, not at the first draw)."""
     if world_size < 1:
         raise ValueError(f"model_specs world_size={world_size} must be >= 1")
+    return _model_specs(world_size)
+
+
+@st.composite
+def _model_specs(draw, world_size: int) -> ModelSpec:
     in_features = draw(st.integers(1, 5))
     blocks, width = [], in_features
     for _ in range(draw(st.integers(1, 3))):

@@ -1,0 +1,121 @@
+"""The fuzzer's pieces in one process (fast tier): drawn specs, the W = 1 path through impl, the
+checks on assembled snapshots, and hypothesis shrinking a planted failure to a minimal model."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import Phase, find, given, settings
+
+from harness.fuzz import fuzz, model_specs, warm_up_spec
+from harness.fuzz_check import run_example
+from harness.fuzz_spec import ModelSpec, as_case, build_model, describe, init_state, wrap_paths
+from harness.fuzz_worker import run_example as rank_run_example
+from harness.impls import RankContext
+
+
+NO_SHRINK = settings(phases=[Phase.generate], database=None, max_examples=200)
+
+
+class InProcessPool:
+    """The pool's interface at W = 1 with no process group: the rank code runs right here.
+    `corrupt` may rewrite the reply, to plant a bug the real impl does not have."""
+
+    def __init__(self, corrupt=None) -> None:
+        self.corrupt = corrupt
+        self.num_requests = 0
+
+    def run(self, request: dict) -> list[dict]:
+        self.num_requests += 1
+        spec = ModelSpec.from_json(request["spec"])
+        reply = rank_run_example(spec, frozenset(request["faults"]), request["init"], RankContext(0, 1, None))
+        return [self.corrupt(spec, reply) if self.corrupt else reply]
+
+
+def _unit_numels(spec: ModelSpec) -> list[int]:
+    return [int(line.split("numel=")[1].split()[0]) for line in describe(spec).splitlines()]
+
+
+@settings(max_examples=25)
+@given(model_specs(4))
+def test_drawn_specs_round_trip_json_and_build(spec):
+    assert ModelSpec.from_json(spec.to_json()) == spec
+    model = build_model(spec)
+    for path in wrap_paths(spec):
+        model.get_submodule(path)  # every wrap path names a real sub-module
+    out = model(torch.randn(spec.global_batch, spec.in_features))
+    assert out.shape == (spec.global_batch, spec.out_features)
+    assert set(init_state(spec)) == set(model.state_dict())
+
+
+def test_specs_reach_the_numels_where_padding_breaks():
+    w = 4
+    for name, hit in {
+        "numel < W": lambda n: n < w,
+        "W*k - 1": lambda n: n > w and n % w == w - 1,
+        "W*k": lambda n: n % w == 0,
+        "W*k + 1": lambda n: n > w and n % w == 1,
+        "size 1": lambda n: n == 1,
+    }.items():
+        spec = find(model_specs(w), lambda s: any(hit(n) for n in _unit_numels(s)), settings=NO_SHRINK)
+        assert any(hit(n) for n in _unit_numels(spec)), name
+    tied = find(model_specs(w), lambda s: any(b.tied for b in s.blocks), settings=NO_SHRINK)
+    assert any(n.endswith(".mix_t.weight") for n, _ in build_model(tied).named_parameters(remove_duplicate=False))
+
+
+@settings(max_examples=15)
+@given(model_specs(1))
+def test_honest_examples_pass_at_w1(spec):
+    result = run_example(InProcessPool(), spec)
+    assert result.ok, result.summary()
+    assert set(result.margins) >= {"loss", "grad", "param", "padding"}
+
+
+def _drop_grad_of_odd_units(spec, reply):
+    """A planted bug: the gradient of every flat parameter of odd numel is lost."""
+    for grads in reply["grads"]:
+        for key, grad in grads.items():
+            if grad.numel() % 2:
+                grads[key] = torch.zeros_like(grad)
+    return reply
+
+
+def test_a_planted_failure_is_caught_and_shrunk_to_a_minimal_model():
+    pool = InProcessPool(corrupt=_drop_grad_of_odd_units)
+    stats = fuzz(pool, world_size=1, max_examples=30, seed=3)
+    assert stats.failures, "the planted bug was never hit"
+    minimal = stats.failures[-1]
+    first = minimal.first_divergence
+    assert first is not None and first.check == "grad" and first.step == 1, minimal.summary()
+    spec = minimal.spec
+    # Shrunk: one block, nothing nested, the fewest features and steps the strategy allows.
+    assert len(spec.blocks) == 1 and spec.blocks[0].inner is None, spec
+    assert spec.in_features == 1 and spec.steps == 2 and spec.accumulation == 1, spec
+    assert any(n % 2 for n in _unit_numels(spec)), describe(spec)
+    # The printed replay runs the same model again and fails the same way.
+    again = run_example(pool, ModelSpec.from_json(spec.to_json()))
+    assert not again.ok and again.first_divergence.name == first.name
+
+
+def test_warm_up_spec_and_case_are_valid():
+    for w in (1, 2, 4):
+        spec = warm_up_spec(w)
+        case = as_case(spec)
+        assert case.wrap == ("blocks.0.inner", "blocks.0") and case.global_batch == spec.global_batch
+
+
+def test_bad_specs_are_refused_with_the_values():
+    import pytest
+
+    spec = warm_up_spec(4)
+    with pytest.raises(ValueError, match="accumulation=3"):
+        ModelSpec(4, 2, 1, spec.blocks, spec.optimizer, batch_per_rank=2, accumulation=3)
+    with pytest.raises(ValueError, match="data_mode='sliced'"):
+        ModelSpec(4, 2, 1, spec.blocks, spec.optimizer, data_mode="sliced")
+
+
+def test_model_specs_refuse_a_world_size_below_one():
+    import pytest
+
+    for w in (0, -3):
+        with pytest.raises(ValueError, match=f"world_size={w}"):
+            model_specs(w)
