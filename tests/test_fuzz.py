@@ -62,7 +62,7 @@ def test_specs_reach_the_numels_where_padding_breaks():
     assert any(n.endswith(".mix_t.weight") for n, _ in build_model(tied).named_parameters(remove_duplicate=False))
 
 
-@settings(max_examples=15)
+@settings(max_examples=8)
 @given(model_specs(1))
 def test_honest_examples_pass_at_w1(spec):
     result = run_example(InProcessPool(), spec)

@@ -1,0 +1,67 @@
+"""The mutants verb: the table logic (fast) and one mutant through the real CLI (slow)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.diff import Violation
+from harness.mutants import HONEST, Evidence, MutantRow, corpus, table
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _violation(check: str, ratio: float, step: int = 1) -> Violation:
+    return Violation("sgd", step, check, "w", ratio, 1.0, 1.0 / ratio if ratio else 0.0, 1.0, 0.0)
+
+
+def test_a_mutant_is_caught_by_any_failing_run_and_reports_its_gate_evidence_first():
+    row = MutantRow("m", "a bug", [
+        Evidence("gate mlp.ours.w2.split.m", [_violation("param", 3.0, step=2)]),
+        Evidence("fuzz tied_accum W=2", [_violation("grad", 1e5)]),
+        Evidence("gate mlp.ours.w2.identical.m", margins={"grad": 0.1}),
+    ])
+    assert row.caught and row.check() == "param" and row.ratio() == 3.0
+    assert row.failing("gate") == "1/2" and row.failing("fuzz") == "1/1"
+    assert "| m | yes | param | 3 | 1/2, 1/1 |" in table([row])
+
+
+def test_an_uncaught_mutant_and_a_crash_are_reported_as_such():
+    missed = MutantRow("m", "a bug", [Evidence("gate c", margins={"grad": 0.2, "loss": 0.4})])
+    assert not missed.caught and missed.check() == "-" and missed.ratio() == 0.4
+    assert "| m | NO | - |" in table([missed])
+    crashed = MutantRow("c", "a crash", [Evidence("fuzz x W=2", error="rank 1: Traceback\nRuntimeError: boom")])
+    assert crashed.caught and crashed.check() == "crash" and math.isinf(crashed.ratio())
+    assert "RuntimeError: boom" in crashed.first_divergence()
+
+
+def test_the_honest_row_reports_the_largest_margin_of_the_judged_checks():
+    honest = MutantRow(HONEST, "unmutated", [Evidence("gate a", margins={"grad": 0.2, "padding": 0.0}),
+                                             Evidence("fuzz b W=4", margins={"param": 0.31})])
+    assert not honest.caught and honest.ratio() == 0.31
+    assert "passes | - | 0.31 (max over 2 runs)" in table([honest])
+
+
+def test_the_corpus_covers_what_the_catalog_lacks():
+    for w in (2, 4):
+        specs = corpus(w).values()
+        blocks = [b for s in specs for b in s.blocks]
+        nested = [b.inner for b in blocks if b.inner is not None]
+        everything = blocks + nested + [n.inner for n in nested if n.inner is not None]
+        assert any(s.accumulation > 1 for s in specs)
+        assert any(b.tied for b in everything) and any(b.frozen for b in everything)
+        assert nested and all(s.world_size == w for s in specs)
+
+
+@pytest.mark.slow
+def test_one_mutant_is_caught_and_the_table_is_written(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "harness", "mutants", "--only", "grad_accum_overwrite",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = (tmp_path / "mutants.md").read_text()
+    assert "| grad_accum_overwrite | yes | grad |" in text, text
+    assert "(none) (honest) | passes" in text and "below half the tolerance" in text, text
