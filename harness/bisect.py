@@ -53,10 +53,13 @@ def _run_group(cmd: list[str], cwd: Path, log) -> int:
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
+        line = "\n"
         for line in proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
             log.write(line)
+        if not line.endswith("\n"):  # git bisect run's last line has none
+            sys.stdout.write("\n")
         return proc.wait()
     except BaseException:
         for sig, grace in ((signal.SIGINT, INTERRUPT_GRACE_S), (signal.SIGKILL, 10.0)):
