@@ -198,6 +198,7 @@ def _add_issue4_verbs(verbs) -> None:
     mutants.add_argument("--out", default="runs/mutants", help="output directory (default runs/mutants)")
     mutants.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun launch (default 900)")
     mutants.add_argument("--only", default="", help="comma-separated faults (default: every fault of impl.FAULTS)")
+    mutants.add_argument("--world-sizes", default="", help=argparse.SUPPRESS)  # one W for a quick test
 
 
 def cmd_fuzz_or_mutants(args) -> int:
@@ -219,7 +220,10 @@ def cmd_fuzz_or_mutants(args) -> int:
         else:
             from harness.mutants import main as mutants_main
 
-            ok = mutants_main(Path(args.out), args.timeout, parse_csv(args.only, "only") if args.only else None)
+            from harness.plan import parse_world_sizes
+
+            ok = mutants_main(Path(args.out), args.timeout, parse_csv(args.only, "only") if args.only else None,
+                              parse_world_sizes(args.world_sizes) if args.world_sizes else None)
     except (ValueError, PlanError) as e:
         print(f"harness {args.verb}: error: {e}", file=sys.stderr)
         return EXIT_USAGE

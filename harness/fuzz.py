@@ -100,12 +100,14 @@ def _model_specs(draw, world_size: int) -> ModelSpec:
 class FuzzStats:
     num_examples: int = 0
     example_s: float = 0.0
+    rank_s: float = 0.0  # of example_s, the time the ranks spent training
     honest_margins: dict[str, float] = field(default_factory=dict)  # check -> max over passing examples
     failures: list[ExampleResult] = field(default_factory=list)
 
     def record(self, result: ExampleResult, seconds: float) -> None:
         self.num_examples += 1
         self.example_s += seconds
+        self.rank_s += result.rank_s
         if result.ok:
             for check, value in result.margins.items():
                 self.honest_margins[check] = max(self.honest_margins.get(check, 0.0), value)
@@ -204,6 +206,10 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
     print(f"[fuzz] W={world_size} seed={seed} faults={list(faults)}: {stats.num_examples} examples "
           f"(shrinking included) in {wall:.1f}s = {rate:.1f} examples/s; pool start-up {start_s:.1f}s "
           f"paid once, {restarts} restart(s) after failing examples")
+    if stats.num_examples:
+        per = 1e3 / stats.num_examples
+        print(f"[fuzz] per example: {stats.example_s * per:.0f} ms, of which ranks training {stats.rank_s * per:.0f} ms "
+              f"(collectives included), the rest request/reply, the reference and the checks")
     if stats.honest_margins:
         print(f"[fuzz] largest honest |diff|/tol over passing examples: {_fmt_margins(stats.honest_margins)}")
     if stats.failures:

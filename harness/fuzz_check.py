@@ -28,6 +28,7 @@ class ExampleResult:
     violations: list[Violation] = field(default_factory=list)
     margins: dict[str, float] = field(default_factory=dict)  # check -> max |diff| / tol
     error: str | None = None  # a rank raised, died or hung
+    rank_s: float = 0.0  # the slowest rank's time on the example (training and snapshots)
 
     @property
     def ok(self) -> bool:
@@ -122,7 +123,8 @@ def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = ()) -
     names = snap["init"]["params"]
     result = check_snapshot(snap, {n: init[n] for n in names}, None, case=as_case(spec))
     missing = sorted(set(dict(as_case(spec).build_model().named_parameters())) - set(names))
-    out = ExampleResult(spec, faults, result.violations, result.margins)
+    out = ExampleResult(spec, faults, result.violations, result.margins,
+                        rank_s=max(float(r.get("rank_s", 0.0)) for r in replies))
     if missing:  # a parameter the shards never mention is evidence lost, not a pass
         out.error = f"parameters missing from every rank's shards: {missing}"
     return out

@@ -15,6 +15,7 @@ import io
 import json
 import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -109,7 +110,9 @@ def main(argv: list[str]) -> int:
             spec = ModelSpec.from_json(request["spec"])
             if spec.world_size != ctx.world_size:
                 raise ValueError(f"spec world_size={spec.world_size} but the pool has {ctx.world_size} ranks")
+            start = time.perf_counter()
             reply = run_example(spec, frozenset(request["faults"]), request["init"], ctx)
+            reply["rank_s"] = time.perf_counter() - start
         except Exception:
             reply = {"error": f"rank {ctx.rank}: " + traceback.format_exc()}
         store.set(f"rep/{i}/{ctx.rank}", _encode(reply))

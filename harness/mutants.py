@@ -118,13 +118,14 @@ class MutantRow:
         return e.first.describe(e.source)
 
 
-def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float) -> dict[str, list[Evidence]]:
+def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float,
+                   world_sizes: tuple[int, ...]) -> dict[str, list[Evidence]]:
     from harness.orchestrate import Progress, run_plan
     from harness.plan import build_plan
     from harness.report import build_report, write_reports
     from harness.verdict import evaluate
 
-    base = build_plan(cases=GATE_CASES, impls=("ours",), world_sizes=GATE_WORLD_SIZES,
+    base = build_plan(cases=GATE_CASES, impls=("ours",), world_sizes=world_sizes,
                       data_modes=("identical", "split"), steps=GATE_STEPS, timeout_s=timeout_s,
                       out_dir=out_dir)
     cells = base.cells + tuple(replace(c, faults=(f,)) for f in faults for c in base.cells)
@@ -149,9 +150,9 @@ def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float) -> dict[s
     return by_fault
 
 
-def _corpus_evidence(out_dir: Path, faults: list[str]) -> dict[str, list[Evidence]]:
+def _corpus_evidence(out_dir: Path, faults: list[str], world_sizes: tuple[int, ...]) -> dict[str, list[Evidence]]:
     by_fault: dict[str, list[Evidence]] = {}
-    for w in CORPUS_WORLD_SIZES:
+    for w in world_sizes:
         with RankPool(PoolConfig(w, out_dir / "logs", example_timeout_s=60.0)) as pool:
             for name, spec in corpus(w).items():
                 for fault in [HONEST, *faults]:
@@ -180,17 +181,24 @@ def table(rows: list[MutantRow]) -> str:
     return "\n".join(lines)
 
 
-def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None) -> bool:
+def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
+         world_sizes: tuple[int, ...] | None = None) -> bool:
+    """world_sizes: both batteries at these W instead of GATE_WORLD_SIZES / CORPUS_WORLD_SIZES."""
     from impl import FAULTS
+
+    gate_world_sizes = world_sizes or GATE_WORLD_SIZES
+    corpus_world_sizes = world_sizes or CORPUS_WORLD_SIZES
+    if min(gate_world_sizes) < 2:
+        raise ValueError(f"mutants world sizes {list(gate_world_sizes)}: every fault needs W >= 2 to act")
 
     faults = list(only) if only else sorted(FAULTS)
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
         raise ValueError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
     start = time.monotonic()
-    gate = _gate_evidence(out_dir / "gate", faults, timeout_s)
+    gate = _gate_evidence(out_dir / "gate", faults, timeout_s, gate_world_sizes)
     gate_s = time.monotonic() - start
-    fuzz = _corpus_evidence(out_dir / "fuzz", faults)
+    fuzz = _corpus_evidence(out_dir / "fuzz", faults, corpus_world_sizes)
     rows = [MutantRow(HONEST, "unmutated", gate.get(HONEST, []) + fuzz.get(HONEST, []))]
     rows += [MutantRow(f, FAULTS[f], gate.get(f, []) + fuzz.get(f, [])) for f in faults]
     honest = rows[0]
@@ -202,9 +210,9 @@ def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None) -
     ok = not honest.caught and all(r.caught for r in rows[1:])
     text = "\n".join([
         f"# Mutants: {'PASS' if ok else 'FAIL'}", "",
-        f"Batteries: gate matrix (cases {list(GATE_CASES)}, impl=ours, W={list(GATE_WORLD_SIZES)}, identical+split "
+        f"Batteries: gate matrix (cases {list(GATE_CASES)}, impl=ours, W={list(gate_world_sizes)}, identical+split "
         f"data, {GATE_STEPS} steps, sgd+adamw; one launch per W for all mutants, {gate_s:.0f}s) and the fuzz corpus "
-        f"({sorted(corpus(2))} at W={list(CORPUS_WORLD_SIZES)}, one rank pool per W).",
+        f"({sorted(corpus(2))} at W={list(corpus_world_sizes)}, one rank pool per W).",
         f"Caught by the gate battery: {len(per_source['gate'])}/{len(faults)}; by the fuzz corpus: "
         f"{len(per_source['fuzz'])}/{len(faults)}.", "",
         table(rows), "",

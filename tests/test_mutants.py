@@ -60,7 +60,7 @@ def test_the_corpus_covers_what_the_catalog_lacks():
 @pytest.mark.slow
 def test_one_mutant_is_caught_and_the_table_is_written(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "harness", "mutants", "--only", "grad_accum_overwrite",
-                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=900)
+                           "--world-sizes", "2", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = (tmp_path / "mutants.md").read_text()
     assert "| grad_accum_overwrite | yes | grad |" in text, text
