@@ -16,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cases.data import DATA_MODES, Batch, regression_batch, token_batch
-from cases.models import MLP, TransformerConfig, TransformerLM, lm_loss
+from cases.features import PLAIN, Features
+from cases.models import MLP, Block, TransformerConfig, TransformerLM, lm_loss
 
 OPTIMIZER_KINDS = ("sgd", "adamw")
 
@@ -75,6 +76,7 @@ class Case:
     tolerance_scale: float = 1.0
     seed: int = 0
     tags: tuple[str, ...] = field(default_factory=tuple)
+    features: Features = PLAIN  # the FSDP features the cell turns on (cases/features.py)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").isalnum():
@@ -95,11 +97,12 @@ class Case:
         if not self.world_sizes or min(self.world_sizes) < 1:
             raise ValueError(f"case={self.name}: world_sizes={self.world_sizes} must all be >= 1")
         if "split" in self.data_modes:
-            bad = [w for w in self.world_sizes if self.global_batch % w]
+            per = self.features.batch_divisor()
+            bad = [w for w in self.world_sizes if self.global_batch % (w * per)]
             if bad:
                 raise ValueError(
                     f"case={self.name}: global_batch={self.global_batch} does not divide by "
-                    f"world sizes {bad} allowed in split mode"
+                    f"world sizes {bad} x grad_accum={per} allowed in split mode"
                 )
         if not self.tolerance_scale >= 1.0:
             raise ValueError(
@@ -175,6 +178,96 @@ CASES: dict[str, Case] = {
         ),
     )
 }
+
+
+# -- the seeds' FSDP features, one case each (issue: features), verified at W = 1, 2, 4 ----------
+_FEATURE_WORLD_SIZES = (1, 2, 4)
+_TIED_CONFIG = TransformerConfig(tie_weights=True)
+_TINY_SIZES = (3, 1, 2, 1)  # flat parameters of 4, 3 and 3 elements: numel < W, size-1 weights
+
+
+def _lm_case(name: str, description: str, features: Features, config: TransformerConfig = _LM_CONFIG,
+             wrap: tuple[str, ...] | None = None, build=None, optimizers=_STANDARD_OPTIMIZERS, **kw) -> Case:
+    return Case(
+        name=name,
+        description=description,
+        build_model=build or (lambda: TransformerLM(config)),
+        wrap=wrap if wrap is not None else tuple(f"blocks.{i}" for i in range(config.n_layer)),
+        make_batch=token_batch(config.vocab_size, config.block_size),
+        loss_fn=lm_loss,
+        terms_per_sample=config.block_size,
+        extra_accumulation=config.n_layer * 2 * (config.n_embd // config.n_head + config.block_size),
+        optimizers=optimizers,
+        world_sizes=_FEATURE_WORLD_SIZES,
+        features=features,
+        **kw,
+    )
+
+
+def _frozen_mlp() -> nn.Module:
+    model = MLP(_MLP_SIZES)
+    model.layers[1].weight.requires_grad_(False)  # frozen next to a trainable bias in one unit
+    model.layers[3].bias.requires_grad_(False)
+    return model
+
+
+def _tiny_mlp() -> nn.Module:
+    return MLP(_TINY_SIZES)
+
+
+_FEATURE_CASES = (
+    _lm_case("tied_embeddings", "output head tied to the token embedding in one unit (the root); tying "
+             "across two units is refused with a clear error, which the cell asserts",
+             Features(refused_wrap=("tok_emb", "head")), config=_TIED_CONFIG),
+    Case(name="frozen_params", description="requires_grad=False weights mixed with trainable biases in one unit",
+         build_model=_frozen_mlp, wrap=("layers.0", "layers.1", "layers.2"),
+         make_batch=regression_batch(_MLP_SIZES[0], _MLP_SIZES[-1]), loss_fn=F.mse_loss,
+         terms_per_sample=_MLP_SIZES[-1], extra_accumulation=0, optimizers=_STANDARD_OPTIMIZERS,
+         world_sizes=_FEATURE_WORLD_SIZES),
+    Case(name="uneven_tiny", description=f"MLP{_TINY_SIZES}: size-1 weights, flat parameters smaller than W, "
+         "empty local shards", build_model=_tiny_mlp, wrap=("layers.0", "layers.1"),
+         make_batch=regression_batch(_TINY_SIZES[0], _TINY_SIZES[-1]), loss_fn=F.mse_loss,
+         terms_per_sample=_TINY_SIZES[-1], extra_accumulation=0, optimizers=_STANDARD_OPTIMIZERS,
+         world_sizes=(1, 2, 4, 8)),
+    _lm_case("meta_init", "built on the meta device, materialised per unit by reset_parameters(), then "
+             "loaded from the reference state", Features(meta_init=True)),
+    _lm_case("reshard_after_forward_false", "ZeRO-2 / SHARD_GRAD_OP: parameters stay unsharded from forward "
+             "to backward, no re-gather", Features(reshard_after_forward=False)),
+    _lm_case("no_shard", "NO_SHARD through the same API: a (W, 1) mesh, gradients all-reduced, state replicated",
+             Features(mesh="no_shard")),
+    _lm_case("hybrid_shard", "HSDP on a 2-D mesh: W = 4 as 2 replicas x 2 shards (W < 4: plain sharding)",
+             Features(mesh="hybrid")),
+    _lm_case("zero1", "DeepSpeed ZeRO-1: replicated parameters and gradients, optimizer state sharded",
+             Features(zero1=True)),
+    _lm_case("mixed_precision", "bfloat16 compute with fp32 master weights, gradients reduced in fp32; the "
+             "reference casts the same way; tolerances scaled to bfloat16",
+             Features(param_dtype="bfloat16", reduce_dtype="float32")),
+    _lm_case("mixed_precision_bf16_reduce", "bfloat16 compute and bfloat16 gradient reduction",
+             Features(param_dtype="bfloat16", reduce_dtype="bfloat16")),
+    _lm_case("grad_accumulation", "2 micro-batches per step, gradient sync skipped on the first; equal to one "
+             "large batch", Features(grad_accum=2)),
+    _lm_case("clip_grad_norm", "global gradient-norm clipping (L2) across shards, equal to clip_grad_norm_ "
+             "on the unsharded model", Features(clip_norm_type=2.0, clip_max_norm=0.5)),
+    _lm_case("clip_grad_norm_inf", "global gradient-norm clipping (inf norm) across shards",
+             Features(clip_norm_type=float("inf"), clip_max_norm=0.05)),
+    _lm_case("activation_checkpointing", "every block recomputed in backward (non-reentrant checkpoint) "
+             "inside its wrapped unit", Features(activation_checkpointing=("blocks.0", "blocks.1"))),
+    _lm_case("prefetch", "forward prefetch of the next block and backward prefetch of the previous one",
+             Features(prefetch=True)),
+    _lm_case("auto_wrap", "units chosen by a transformer-layer-class policy (transformer_layer_cls_to_wrap)",
+             Features(auto_wrap="layer_class", expected_units=("blocks.0", "blocks.1", "")), wrap=()),
+    _lm_case("auto_wrap_size", "units chosen by a size policy (min_num_params=1000)",
+             Features(auto_wrap="size", auto_wrap_min_params=1000,
+                      expected_units=("blocks.0.attn", "blocks.0.fc", "blocks.0.out",
+                                      "blocks.1.attn", "blocks.1.fc", "blocks.1.out", "")), wrap=()),
+    _lm_case("state_dict_reshard", "sharded checkpoint after steps 2 and 3, reloaded with half the shard "
+             "size and then unsharded (W = 4: 4 -> 2 -> 1 shards), optimizer state included; at the end "
+             "a full state dict saved by rank 0 reloads bitwise", Features(checkpoint_reshard_at=(2, 3))),
+    _lm_case("cpu_offload", "parameters and optimizer state on the CPU, compute on the accelerator",
+             Features(requires_device="cuda")),
+)
+CASES.update({case.name: case for case in _FEATURE_CASES})
+LAYER_CLASSES = {"Block": Block}
 
 
 def get_case(name: str) -> Case:

@@ -196,7 +196,8 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
     cell = snap["cell"]
     case = case if case is not None else get_case(cell["case"])
     spec = case.optimizer(snap["optimizer"])
-    model = ErrorModel(case.global_batch * case.terms_per_sample + case.accumulation_length(), case.tolerance_scale)
+    model = ErrorModel(case.global_batch * case.terms_per_sample + case.accumulation_length(), case.tolerance_scale,
+                       dtype=case.features.compute_dtype)
     opt_state = OptimizerErrorState(spec, model.u)
     result = OptimizerResult(snap["optimizer"])
     margins = {c: 0.0 for c in CHECK_ORDER}
@@ -240,6 +241,12 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             p, p_ref = rec["params"][name], shadow["params"][name]
             margins["param"] = max(margins["param"], _max_ratio(p, p_ref, ptol))
             v = _tensor_violation(spec.kind, step, "param", name, p, p_ref, ptol, layouts.get(name))
+            if v:
+                viol.append(v)
+        for name in rec["params"].keys() - rec["grads"].keys():
+            # No gradient (frozen): no arithmetic touches the parameter, so it must match exactly.
+            v = _tensor_violation(spec.kind, step, "param", name, rec["params"][name], shadow["params"][name],
+                                  torch.zeros((), dtype=torch.float64), layouts.get(name))
             if v:
                 viol.append(v)
         for key, rows in list(rec["shards"].items()) + [(k + " (grad)", t) for k, t in rec["shard_grads"].items()]:

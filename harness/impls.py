@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from cases.features import DTYPES, PLAIN, Features
+from harness.features import CastCompute, all_reduce_mean_copy, make_mesh
+
 
 @dataclass(frozen=True)
 class RankContext:
@@ -62,22 +65,84 @@ class Adapter(Protocol):
 class Ours:
     name = "ours"
     needs_process_group = True
+    refuses_cross_unit_ties = True  # tied parameters across units raise at fully_shard
 
-    def wrap(self, model, wrap_paths, ctx, faults):
-        from impl import fully_shard
+    def unsupported(self, features: Features) -> str | None:
+        return None
 
+    def wrap(self, model, wrap_paths, ctx, faults, features: Features = PLAIN):
+        import impl
+
+        if features.zero1:
+            return model  # replicated parameters; the optimizer shards its state
+        kwargs = {"_faults": faults, "reshard_after_forward": features.reshard_after_forward}
+        if features.mesh == "shard":
+            kwargs["process_group"] = ctx.group
+        else:
+            kwargs["mesh"] = make_mesh(features, ctx.world_size)
+        if features.mixed_precision:
+            kwargs["mp_policy"] = impl.MixedPrecisionPolicy(
+                DTYPES[features.param_dtype], DTYPES[features.reduce_dtype] if features.reduce_dtype else None)
+        if features.auto_wrap is not None:
+            wrapped = impl.auto_wrap(model, _auto_wrap_policy(features), **kwargs)
+            if features.expected_units and tuple(wrapped) != features.expected_units:
+                raise RuntimeError(f"rank {ctx.rank}: auto_wrap({features.auto_wrap}) wrapped {wrapped}, "
+                                   f"expected {list(features.expected_units)}")
+        else:
+            for path in wrap_paths:
+                impl.fully_shard(model.get_submodule(path), **kwargs)
+            impl.fully_shard(model, **kwargs)
+        if features.prefetch:
+            _set_prefetch(model, wrap_paths)
+        return model
+
+    def materialize(self, model, init_state):
+        import impl
+
+        impl.init_meta_module(model, "cpu")
+        impl.load_full_state_dict(model, init_state)
+
+    def build_optimizer(self, model, spec, features: Features):
+        import impl
+
+        if not features.zero1:
+            return spec.build(model.parameters())
+        return impl.ZeroRedundancyOptimizer(model.parameters(), spec.build)
+
+    def clip_grad_norm(self, model, max_norm, norm_type):
+        import impl
+
+        return impl.clip_grad_norm_(model, max_norm, norm_type)
+
+    def reshard_checkpoint(self, model, optim, spec, ctx, features, directory, shard_size, wrap_paths, build_model):
+        """Save a sharded checkpoint, then load it into a fresh model sharded over `shard_size`
+        ranks (a (W / shard_size, shard_size) mesh); returns the new (model, optimizer)."""
+        import impl
+        from torch.distributed.device_mesh import init_device_mesh
+
+        impl.save_sharded_checkpoint(model, optim, directory)
+        fresh = build_model()
+        mesh = init_device_mesh("cpu", (ctx.world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
         for path in wrap_paths:
-            fully_shard(model.get_submodule(path), process_group=ctx.group, _faults=faults)
-        return fully_shard(model, process_group=ctx.group, _faults=faults)
+            impl.fully_shard(fresh.get_submodule(path), mesh=mesh)
+        impl.fully_shard(fresh, mesh=mesh)
+        fresh_optim = spec.build(fresh.parameters())
+        impl.load_sharded_checkpoint(fresh, fresh_optim, directory)
+        return fresh, fresh_optim
 
     def full_params(self, model):
-        from impl import full_state_dict
+        from impl import full_state_dict, units
 
+        if not units(model):  # zero1: replicated plain parameters
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
         return full_state_dict(model)
 
     def full_grads(self, model):
-        from impl import full_grad_dict
+        from impl import full_grad_dict, units
 
+        if not units(model):  # zero1: the optimizer averages inside step(); observe the same mean
+            group = dist.group.WORLD if dist.is_initialized() else None
+            return all_reduce_mean_copy({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, group)
         return full_grad_dict(model)
 
     def layouts(self, model):
@@ -117,14 +182,40 @@ class FSDP2:
     name = "fsdp2"
     needs_process_group = True
 
-    def wrap(self, model, wrap_paths, ctx, faults):
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+    def unsupported(self, features: Features) -> str | None:
+        for field_name, reason in (
+            ("auto_wrap", "torch FSDP2 has no auto-wrap policies (FSDP1 had them)"),
+            ("zero1", "torch FSDP2 has no optimizer-state-only sharding (ZeRO-1)"),
+            ("checkpoint_reshard_at", "not mapped: FSDP2 reshards checkpoints through torch.distributed.checkpoint"),
+        ):
+            if getattr(features, field_name):
+                return reason
+        return None
 
-        mesh = DeviceMesh.from_group(ctx.group, "cpu")
+    def wrap(self, model, wrap_paths, ctx, faults, features: Features = PLAIN):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if features.mesh == "shard":
+            mesh = DeviceMesh.from_group(ctx.group, "cpu")
+        else:
+            mesh = make_mesh(features, ctx.world_size)
+        kwargs = {"mesh": mesh, "reshard_after_forward": features.reshard_after_forward}
+        if features.mixed_precision:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                DTYPES[features.param_dtype], DTYPES[features.reduce_dtype] if features.reduce_dtype else None)
         for path in wrap_paths:
-            fully_shard(model.get_submodule(path), mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+            fully_shard(model.get_submodule(path), **kwargs)
+        fully_shard(model, **kwargs)
+        if features.prefetch:
+            _set_prefetch(model, wrap_paths)
+        return model
+
+    def materialize(self, model, init_state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        model.to_empty(device="cpu")
+        set_model_state_dict(model, init_state, options=StateDictOptions(full_state_dict=True))
 
     def full_params(self, model):
         return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
@@ -149,7 +240,12 @@ class DDP:
     name = "ddp"
     needs_process_group = True
 
-    def wrap(self, model, wrap_paths, ctx, faults):
+    def unsupported(self, features: Features) -> str | None:
+        if features not in (PLAIN, Features(refused_wrap=features.refused_wrap)):
+            return "the ddp adapter maps no FSDP features"
+        return None
+
+    def wrap(self, model, wrap_paths, ctx, faults, features: Features = PLAIN):
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, process_group=ctx.group)
@@ -171,8 +267,17 @@ class Single:
     name = "single"
     needs_process_group = False
 
-    def wrap(self, model, wrap_paths, ctx, faults):
+    def unsupported(self, features: Features) -> str | None:
+        return None
+
+    def wrap(self, model, wrap_paths, ctx, faults, features: Features = PLAIN):
+        if features.mixed_precision:
+            return CastCompute(model, features.compute_dtype)
         return model
+
+    def materialize(self, model, init_state):
+        model.to_empty(device="cpu")
+        model.load_state_dict(init_state)
 
     def full_params(self, model):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -185,6 +290,23 @@ class Single:
 
     def raw_shards(self, model):
         return []
+
+
+def _set_prefetch(model: nn.Module, wrap_paths: tuple[str, ...]) -> None:
+    """Each wrapped unit prefetches the next one in forward and the previous one in backward."""
+    units = [model.get_submodule(p) for p in wrap_paths]
+    for prev, nxt in zip(units, units[1:]):
+        prev.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([prev])
+
+
+def _auto_wrap_policy(features: Features):
+    import impl
+    from cases.catalog import LAYER_CLASSES
+
+    if features.auto_wrap == "layer_class":
+        return impl.ModuleClassPolicy(tuple(LAYER_CLASSES.values()))
+    return impl.SizePolicy(features.auto_wrap_min_params)
 
 
 BUILTIN_IMPLS: dict[str, type] = {"ours": Ours, "fsdp2": FSDP2, "ddp": DDP, "single": Single}

@@ -77,6 +77,7 @@ class RunPlan:
     threads: int = 1  # intra-op threads in every rank, equal at every world size
     launch_per_cell: bool = False  # one torchrun per cell: only to measure what batching saves
     extra_pythonpath: tuple[str, ...] = field(default_factory=tuple)
+    skipped: tuple[tuple[Cell, str], ...] = ()  # cells that cannot run here, with the reason
 
     @property
     def world_sizes(self) -> tuple[int, ...]:
@@ -177,7 +178,7 @@ def build_plan(
         if unknown:
             raise PlanError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
 
-    cells = []
+    cells, skipped = [], []
     for case_name in cases:
         case = get_case(case_name)
         for w in world_sizes:
@@ -193,16 +194,36 @@ def build_plan(
                 raise PlanError(f"case={case_name} does not run at world_size={w}; its world sizes: {list(case.world_sizes)}")
             for mode in data_modes:
                 for impl in impls:
-                    cells.append(Cell(case_name, impl, w, mode, steps or case.steps,
-                                      faults=tuple(sorted(faults)) if impl == "ours" else ()))
+                    cell = Cell(case_name, impl, w, mode, steps or case.steps,
+                                faults=tuple(sorted(faults)) if impl == "ours" else ())
+                    reason = _skip_reason(case, impl)
+                    if reason:
+                        skipped.append((cell, reason))
+                    else:
+                        cells.append(cell)
+    if not cells:
+        raise PlanError("nothing to run: every requested cell is skipped: "
+                        + "; ".join(sorted({f"{c.case} ({c.impl}): {r}" for c, r in skipped})))
     references = tuple(
         Cell(name, REFERENCE_IMPL, 1, "identical", steps or get_case(name).steps, is_reference=True)
-        for name in cases
+        for name in cases if any(c.case == name for c in cells)
     )
     out = Path(out_dir)
     check_writable(out)
     return RunPlan(tuple(cells), references, out, float(timeout_s), threads, launch_per_cell,
-                   tuple(dict.fromkeys(extra_paths)))
+                   tuple(dict.fromkeys(extra_paths)), tuple(skipped))
+
+
+def _skip_reason(case, impl: str) -> str | None:
+    """Why a cell cannot run here (a missing device, a feature the implementation lacks)."""
+    from harness.features import device_available
+    from harness.impls import resolve_impl
+
+    reason = device_available(case.features)
+    if reason:
+        return reason
+    unsupported = getattr(resolve_impl(impl), "unsupported", None)
+    return unsupported(case.features) if unsupported else None
 
 
 def check_writable(out: Path) -> None:

@@ -34,6 +34,7 @@ class Report:
     environment: dict
     command: str
     wall_s: float
+    skipped: tuple = ()  # (Cell, reason) of cells that cannot run here
 
 
 def environment(plan_threads: int) -> dict:
@@ -60,7 +61,7 @@ def environment(plan_threads: int) -> dict:
 def build_report(cells, references, matrices, outcome: RunOutcome, command: str) -> Report:
     bad = [c for c in cells + references if c.verdict != "pass"]
     return Report("fail" if bad or not cells else "pass", cells, references, matrices,
-                  environment(outcome.plan.threads), command, outcome.wall_s)
+                  environment(outcome.plan.threads), command, outcome.wall_s, outcome.plan.skipped)
 
 
 def _fmt(x: float | None) -> str:
@@ -105,6 +106,8 @@ def summary_json(report: Report) -> dict:
         "verdict": report.verdict,
         "cells": cells,
         "references": [{"case": r.cell.case, "verdict": r.verdict, "error": r.error} for r in report.references],
+        "skipped": [{"cell_id": c.cell_id, "case": c.case, "impl": c.impl, "world_size": c.world_size,
+                     "data": c.data_mode, "reason": reason} for c, reason in report.skipped],
         "environment": report.environment,
         "command": report.command,
         "wall_s": round(report.wall_s, 2),
@@ -167,6 +170,10 @@ def render_markdown(report: Report) -> str:
         out.append("## Errors (crashed or hung ranks)\n")
         for r in errored:
             out.append(f"### {r.cell.cell_id}\n\n```\n{r.error}\n```\n")
+    if report.skipped:
+        out.append("## Skipped (cannot run here)\n")
+        reasons = sorted({(c.case, c.impl, reason) for c, reason in report.skipped})
+        out.append(_md_table([{"case": case, "impl": impl, "reason": reason} for case, impl, reason in reasons]) + "\n")
     out.append("## W x W matrices\n")
     out.append("Max abs diff over all steps of losses, gradients and parameters between the runs at two "
                "world sizes (`ref` = impl=single at W = 1). Informational: the free-running trajectories may "
@@ -277,6 +284,8 @@ def console_summary(report: Report, stream=sys.stdout) -> None:
     for r in report.references:
         if r.verdict != "pass":
             print(f"REFERENCE {r.verdict.upper()} {r.cell.cell_id}: {r.error or r.first_divergence.describe(r.cell.cell_id)}", file=stream)
+    for case, impl, reason in sorted({(c.case, c.impl, reason) for c, reason in report.skipped}):
+        print(f"SKIP {case} ({impl}): {reason}", file=stream)
     counts = {v: sum(r.verdict == v for r in report.cells) for v in ("pass", "fail", "error")}
     print(f"verdict: {report.verdict} ({counts['pass']} pass, {counts['fail']} fail, {counts['error']} error, "
           f"{len(report.cells)} cells, {report.wall_s:.0f}s)", file=stream)

@@ -61,7 +61,8 @@ def _trajectory(snap: dict, order: dict[str, torch.Tensor]) -> torch.Tensor:
     parts = []
     for rec in snap["steps"]:
         loss = rec["loss"].double().mean() if split else rec["loss"].double()[0]
-        parts += [loss.float().reshape(1), flat(rec["grads"], order), flat(rec["params"], order)]
+        grad_order = [k for k in order if k in rec["grads"]]  # frozen parameters have no gradient
+        parts += [loss.float().reshape(1), flat(rec["grads"], grad_order), flat(rec["params"], order)]
     return torch.cat(parts)
 
 

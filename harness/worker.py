@@ -21,6 +21,8 @@ import torch.nn as nn
 
 from cases.catalog import Case, OptimizerSpec, get_case
 from cases.data import Batch, local_batch
+from cases.features import PLAIN
+from harness.features import CastCompute, apply_activation_checkpointing, floating_output
 from harness.impls import Adapter, RankContext, RawShard, resolve_impl
 from harness.plan import Cell
 from harness.snapshot import FORMAT, load_state, save_snapshot, snapshot_path
@@ -33,10 +35,17 @@ class Shadow:
 
     def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor]) -> None:
         self.case = case
-        self.model = case.build_model()
-        self.model.load_state_dict(init_state)
-        self.params = dict(self.model.named_parameters())
+        features = case.features
+        plain = case.build_model()
+        plain.load_state_dict(init_state)
+        self.params = dict(plain.named_parameters())
+        # Mixed precision: the shadow computes the way the policy does (harness/features.py).
+        self.model = CastCompute(plain, features.compute_dtype) if features.mixed_precision else plain
         self.optim = spec.build(self.params.values())
+        self.clip = (features.clip_max_norm, features.clip_norm_type) if features.clip_norm_type else None
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.case.loss_fn(floating_output(self.model(inputs)), targets)
 
     def step(self, params_before: dict[str, torch.Tensor], batch: Batch) -> dict:
         with torch.no_grad():
@@ -47,14 +56,16 @@ class Shadow:
         abs_grads = {n: torch.zeros_like(p) for n, p in self.params.items()}
         for b in range(num_samples):  # per-sample gradients: the terms the batch mean sums
             self.model.zero_grad(set_to_none=True)
-            self.case.loss_fn(self.model(inputs[b : b + 1]), targets[b : b + 1]).backward()
+            self.loss(inputs[b : b + 1], targets[b : b + 1]).backward()
             for n, p in self.params.items():
                 if p.grad is not None:
                     abs_grads[n] += p.grad.abs()
         self.optim.zero_grad(set_to_none=True)
-        loss = self.case.loss_fn(self.model(inputs), targets)
+        loss = self.loss(inputs, targets)
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), *self.clip)
         self.optim.step()
         return {
             "loss": loss.detach().clone(),
@@ -110,17 +121,93 @@ def _gather_step_evidence(loss: torch.Tensor, raws: list[RawShard], ctx: RankCon
     return losses, shards, shard_grads, padding_bounds
 
 
-def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], world: RankContext) -> dict | None:
+def _check_refused_wrap(case: Case, adapter: Adapter, ctx: RankContext) -> None:
+    """Wrapping the case's refused paths as separate units must raise a clear ValueError."""
+    model = case.build_model()
+    try:
+        adapter.wrap(model, case.features.refused_wrap, ctx, frozenset())
+    except ValueError as e:
+        if "fully_shard" not in str(e):
+            raise RuntimeError(f"rank {ctx.rank}: refusal of {case.features.refused_wrap} lacks a clear message: {e}")
+        return
+    raise RuntimeError(f"rank {ctx.rank}: case={case.name}: wrapping {list(case.features.refused_wrap)} as separate "
+                       f"units was accepted; a parameter tied across units must be refused")
+
+
+def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, cell: Cell, init_state) -> nn.Module:
+    features = case.features
+    if features.meta_init:
+        with torch.device("meta"):
+            model = case.build_model()
+    else:
+        model = case.build_model()
+        model.load_state_dict(init_state)
+    apply_activation_checkpointing(model, features.activation_checkpointing)
+    if features == PLAIN:
+        wrapped = adapter.wrap(model, case.wrap, ctx, frozenset(cell.faults))
+    else:
+        wrapped = adapter.wrap(model, case.wrap, ctx, frozenset(cell.faults), features)
+    if features.meta_init:
+        adapter.materialize(wrapped, init_state)
+    return wrapped
+
+
+def _backward(case: Case, adapter: Adapter, wrapped: nn.Module, inputs, targets) -> torch.Tensor:
+    """One step's forward and backward; with grad_accum, micro-batches with sync on the last."""
+    num_micro = case.features.grad_accum
+    if num_micro == 1:
+        loss = case.loss_fn(floating_output(wrapped(inputs)), targets)
+        loss.backward()
+        return loss.detach()
+    total = torch.zeros(())
+    pieces = list(zip(inputs.chunk(num_micro), targets.chunk(num_micro)))
+    set_sync = getattr(wrapped, "set_requires_gradient_sync", None)  # the plain model has nothing to sync
+    for i, (x, y) in enumerate(pieces):
+        if set_sync is not None:
+            set_sync(i == num_micro - 1)
+        loss = case.loss_fn(floating_output(wrapped(x)), y) / num_micro
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _full_state_roundtrip(adapter: Adapter, wrapped: nn.Module, case: Case, cell: Cell, ctx: RankContext,
+                          init_state, directory: Path) -> None:
+    """A full state dict saved by rank 0 and loaded on every rank reproduces the parameters."""
+    import impl
+
+    full = impl.full_state_dict(wrapped)
+    path = directory / "full_state.pt"
+    if ctx.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(full, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    dist.barrier()
+    fresh = adapter.wrap(case.build_model(), case.wrap, ctx, frozenset())
+    impl.load_full_state_dict(fresh, torch.load(path, weights_only=True))
+    reloaded = impl.full_state_dict(fresh)
+    bad = [n for n in full if not torch.equal(full[n], reloaded[n])]
+    if bad:
+        raise RuntimeError(f"rank {ctx.rank}: full state dict saved on rank 0 reloads different values for {bad}")
+
+
+def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], world: RankContext,
+             scratch_dir: Path) -> dict | None:
     case = get_case(cell.case)
+    features = case.features
     adapter: Adapter = resolve_impl(cell.impl)
     ctx = world if adapter.needs_process_group else RankContext(0, 1, None)
-    model = case.build_model()
-    model.load_state_dict(init_state)
-    names = [n for n, _ in model.named_parameters()]
-    wrapped: nn.Module = adapter.wrap(model, case.wrap, ctx, frozenset(cell.faults))
-    optim = spec.build(wrapped.parameters())
+    if features.refused_wrap and getattr(adapter, "refuses_cross_unit_ties", False):
+        _check_refused_wrap(case, adapter, ctx)
+    plain = case.build_model()
+    names = [n for n, _ in plain.named_parameters()]
+    grad_names = [n for n, p in plain.named_parameters() if p.requires_grad]
+    wrapped: nn.Module = _build_wrapped(case, adapter, ctx, cell, init_state)
+    build_optimizer = getattr(adapter, "build_optimizer", None)
+    optim = build_optimizer(wrapped, spec, features) if build_optimizer else spec.build(wrapped.parameters())
     is_writer = world.rank == 0
     shadow = Shadow(case, spec, init_state) if is_writer else None
+    reshard_steps = features.checkpoint_reshard_at if hasattr(adapter, "reshard_checkpoint") else ()
 
     init_params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
     steps, params_before = [], init_params
@@ -128,9 +215,14 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size)
         optim.zero_grad(set_to_none=True)
-        loss = case.loss_fn(wrapped(inputs), targets)
-        loss.backward()
-        grads = _pick(adapter.full_grads(wrapped), names, "full_grads", ctx, cell)
+        loss = _backward(case, adapter, wrapped, inputs, targets)
+        grads = _pick(adapter.full_grads(wrapped), grad_names, "full_grads", ctx, cell)
+        if features.clip_norm_type is not None:
+            clip = getattr(adapter, "clip_grad_norm", None)
+            if clip is not None:
+                clip(wrapped, features.clip_max_norm, features.clip_norm_type)
+            else:
+                torch.nn.utils.clip_grad_norm_(wrapped.parameters(), features.clip_max_norm, features.clip_norm_type)
         optim.step()
         params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
         losses, shards, shard_grads, padding_bounds = _gather_step_evidence(loss, adapter.raw_shards(wrapped), ctx)
@@ -140,6 +232,13 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
             record["shadow"] = shadow.step(params_before, batch)
         steps.append(record)
         params_before = params
+        if step in reshard_steps:
+            shard_size = max(1, ctx.world_size // 2 ** (reshard_steps.index(step) + 1))
+            directory = scratch_dir / f"{cell.cell_id}.{spec.kind}.step{step}"
+            wrapped, optim = adapter.reshard_checkpoint(wrapped, optim, spec, ctx, features, directory, shard_size,
+                                                        case.wrap, case.build_model)
+    if reshard_steps:
+        _full_state_roundtrip(adapter, wrapped, case, cell, ctx, init_state, scratch_dir / f"{cell.cell_id}.{spec.kind}")
     if not is_writer:
         return None
     return {
@@ -172,7 +271,7 @@ def main(argv: list[str]) -> int:
         for spec in case.optimizers:
             if not resolve_impl(cell.impl).needs_process_group and world.rank != 0:
                 continue  # a single-process cell (the reference) runs on rank 0 alone
-            snapshot = run_cell(cell, spec, init_state, world)
+            snapshot = run_cell(cell, spec, init_state, world, snapshot_dir / "scratch")
             if snapshot is not None:
                 save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
         dist.barrier()

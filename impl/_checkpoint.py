@@ -60,8 +60,12 @@ def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer |
                 payload[f"optim/{name}/{key}"] = value.detach().clone()
             else:
                 payload[f"optim_scalars/{name}/{key}"] = torch.as_tensor(value).clone()
-    _atomic_save(payload, path / f"rank{rank}.pt")
-    if rank == 0:
+    # Under HSDP every replica holds the same shards: the first replica writes them.
+    replicate_group = flats[0][1].comm.replicate_group
+    is_writer = replicate_group is None or dist.get_rank(replicate_group) == 0
+    if is_writer:
+        _atomic_save(payload, path / f"rank{rank}.pt")
+    if rank == 0 and is_writer:
         meta = {"world_size": world_size, "flat_params": {n: _describe(h.layout) for n, h in flats}}
         tmp = path / "metadata.json.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
