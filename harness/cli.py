@@ -14,9 +14,7 @@ import traceback
 from pathlib import Path
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CANNOT_TEST = 0, 1, 2, 125
-PENDING_VERBS = {
-    "bench": "issue 7",
-}
+PENDING_VERBS: dict[str, str] = {}
 
 
 class UsageError(Exception):
@@ -75,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     bisect.add_argument("--repo", default=".", help="the git repository (default: the current directory's)")
     bisect.add_argument("--out", default="runs/bisect", help="per-commit gate reports (default runs/bisect)")
     verbs.add_parser("list", help="cases, implementations and planted faults")
+    bench = verbs.add_parser("bench", help="step time and comm bytes vs torch FSDP2, memory at W = 1..8, harness throughput")
+    bench.add_argument("--out", default="reports/bench", help="writes bench.json and bench.md here (default reports/bench)")
+    bench.add_argument("--iters", type=int, default=10, help="timed steps per implementation and world size (default 10)")
+    bench.add_argument("--speed-world-sizes", default="2,4", help="world sizes of the step-time comparison (default 2,4)")
+    bench.add_argument("--memory-world-sizes", default="1,2,4,8", help="world sizes of the memory table (default 1,2,4,8)")
+    bench.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
+    bench.add_argument("--no-throughput", action="store_true", help="skip the harness-throughput measurement")
+    bench.add_argument("--smoke", action="store_true", help="a tiny model, one step: checks that bench runs")
     _add_issue4_verbs(verbs)
     for verb, issue in PENDING_VERBS.items():
         stub = verbs.add_parser(verb, help=f"not implemented yet ({issue})")
@@ -233,6 +239,26 @@ def cmd_fuzz_or_mutants(args) -> int:
     return EXIT_PASS if ok else EXIT_FAIL
 
 
+def cmd_bench(args) -> int:
+    from harness.bench import BenchConfig, BenchError, run_bench
+    from harness.plan import PlanError, parse_world_sizes
+
+    try:
+        cfg = BenchConfig(Path(args.out), parse_world_sizes(args.speed_world_sizes),
+                          parse_world_sizes(args.memory_world_sizes), args.iters, args.threads,
+                          throughput=not args.no_throughput, smoke=args.smoke)
+    except (ValueError, PlanError) as e:
+        print(f"harness bench: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        run_bench(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except BenchError as e:
+        print(f"harness bench: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    print((cfg.out_dir / "bench.md").read_text())
+    return EXIT_PASS
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -249,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_list()
     if args.verb in ("fuzz", "mutants"):
         return cmd_fuzz_or_mutants(args)
+    if args.verb == "bench":
+        return cmd_bench(args)
     if args.verb == "bisect":  # imports nothing of the project: each commit is tested by its own code
         from harness.bisect import BisectError, bisect
 

@@ -1,0 +1,38 @@
+"""`python -m harness bench` runs end to end on a tiny model (slow tier). Benchmarks are never
+timed assertions: this only checks that every figure is produced and well-formed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_smoke_writes_every_figure(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", "bench", "--smoke", "--no-throughput", "--out", str(tmp_path),
+         "--speed-world-sizes", "2", "--memory-world-sizes", "1,2"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    (speed,) = result["speed"]
+    for key in ("step_time_ratio_vs_fsdp2", "comm_bytes_ratio_vs_theory", "comm_bytes_ratio_vs_fsdp2"):
+        assert speed[key] > 0, key
+    # FULL_SHARD on this model: the counted collective bytes equal the theoretical volume.
+    assert speed["comm"]["ours"]["bytes"] == speed["theory_bytes"]
+    assert [m["world_size"] for m in result["memory"]] == [1, 2]
+    for m in result["memory"]:
+        assert abs(m["sharded_state_ratio_vs_total_over_w"] - 1) < 0.05, m
+    assert "step_time_ratio_vs_fsdp2" in (tmp_path / "bench.md").read_text()
+
+
+def test_bench_rejects_bad_world_sizes(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "harness", "bench", "--speed-world-sizes", "0", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "world_size=0" in proc.stderr
