@@ -9,7 +9,6 @@ of the launch killed, as `harness.launch` does) and started afresh for the next 
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness.fuzz_worker import decode
+from harness.fuzz_worker import decode, encode
 from harness.launch import LAUNCH_ID_VAR, _read_rank_logs, _signal_all, _processes_with, free_port, kill_launch
 
 POLL_S = 0.25  # checks for a dead or hung pool
@@ -48,12 +47,6 @@ class PoolConfig:
             raise ValueError(f"PoolConfig world_size={self.world_size} must be >= 1")
         if not (self.example_timeout_s > 0 and self.start_timeout_s > 0):
             raise ValueError(f"PoolConfig timeouts example={self.example_timeout_s} start={self.start_timeout_s} must be > 0")
-
-
-def _encode(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 class RankPool:
@@ -107,7 +100,7 @@ class RankPool:
             return
         if self._proc.poll() is None:
             try:
-                self._store.set(f"req/{self._next}", _encode({"stop": True}))
+                self._store.set(f"req/{self._next}", encode({"stop": True}))
                 self._proc.wait(timeout=10)
             except Exception:  # a stuck or dead pool is killed below either way
                 pass
@@ -169,7 +162,7 @@ class RankPool:
             self.start()
         i = self._next
         self._next += 1
-        self._store.set(f"req/{i}", _encode(request))
+        self._store.set(f"req/{i}", encode(request))
         keys = [f"rep/{i}/{r}" for r in range(self.config.world_size)]
         # A rank that raised answers at once; the others may never answer (stuck in a collective).
         deadline = time.monotonic() + self.config.example_timeout_s

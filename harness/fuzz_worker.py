@@ -26,6 +26,7 @@ import torch.distributed as dist
 from cases.data import local_batch
 from harness.fuzz_spec import ModelSpec, as_case
 from harness.impls import Ours, RankContext
+from harness.snapshot import _pack, _unpack
 
 
 def _shards(model) -> tuple[dict, dict]:
@@ -81,14 +82,16 @@ def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.T
             "grads": step_grads, "data": step_data}
 
 
-def _encode(obj) -> bytes:
+def encode(obj) -> bytes:
+    """torch.save of plain containers, each dict of same-dtype tensors packed into one tensor (a
+    weights_only load of a few tensors is much faster than of hundreds)."""
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    torch.save(_pack(obj), buf)
     return buf.getvalue()
 
 
 def decode(raw: bytes):
-    return torch.load(io.BytesIO(raw), weights_only=True)
+    return _unpack(torch.load(io.BytesIO(raw), weights_only=True))
 
 
 def main(argv: list[str]) -> int:
@@ -115,7 +118,7 @@ def main(argv: list[str]) -> int:
             reply["rank_s"] = time.perf_counter() - start
         except Exception:
             reply = {"error": f"rank {ctx.rank}: " + traceback.format_exc()}
-        store.set(f"rep/{i}/{ctx.rank}", _encode(reply))
+        store.set(f"rep/{i}/{ctx.rank}", encode(reply))
         if "error" in reply:
             break  # the pool is restarted: other ranks may be stuck in a collective
         i += 1
