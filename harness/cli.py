@@ -36,6 +36,8 @@ def _add_matrix_args(p: argparse.ArgumentParser, *, cases, impls, world_sizes, d
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun launch, one launch per world size (default 600)")
     p.add_argument("--out", default=out, help=f"output directory (default {out})")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads in every rank (default 1)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend (default gloo)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one rank per GPU (default cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted impl/ bugs, for tests
     p.add_argument("--launch-per-cell", action="store_true", help=argparse.SUPPRESS)  # to measure batching
@@ -101,6 +103,8 @@ def _plan_from_args(args):
         timeout_s=args.timeout,
         out_dir=args.out,
         faults=parse_csv(args.faults, "faults") if args.faults else (),
+        backend=args.backend,
+        device=args.device,
         threads=args.threads,
         launch_per_cell=args.launch_per_cell,
     )

@@ -32,14 +32,14 @@ def apply_activation_checkpointing(model: nn.Module, paths: tuple[str, ...]) -> 
         module.forward = forward
 
 
-def make_mesh(features: Features, world_size: int):
+def make_mesh(features: Features, world_size: int, device_type: str = "cpu"):
     """A (replicate, shard) DeviceMesh over the world group for this world size."""
     from torch.distributed.device_mesh import init_device_mesh
 
     replicate, shard = features.mesh_shape(world_size)
     if replicate == 1:
-        return init_device_mesh("cpu", (shard,), mesh_dim_names=("shard",))
-    return init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
 
 
 class CastCompute(nn.Module):

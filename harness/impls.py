@@ -28,6 +28,7 @@ class RankContext:
     rank: int
     world_size: int
     group: dist.ProcessGroup | None  # None: no process group (W = 1, impl=single)
+    device: torch.device = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Ours:
         if features.mesh == "shard":
             kwargs["process_group"] = ctx.group
         else:
-            kwargs["mesh"] = make_mesh(features, ctx.world_size)
+            kwargs["mesh"] = make_mesh(features, ctx.world_size, ctx.device.type)
         if features.mixed_precision:
             kwargs["mp_policy"] = impl.MixedPrecisionPolicy(
                 DTYPES[features.param_dtype], DTYPES[features.reduce_dtype] if features.reduce_dtype else None)
@@ -96,10 +97,10 @@ class Ours:
             _set_prefetch(model, wrap_paths)
         return model
 
-    def materialize(self, model, init_state):
+    def materialize(self, model, init_state, device: torch.device = torch.device("cpu")):
         import impl
 
-        impl.init_meta_module(model, "cpu")
+        impl.init_meta_module(model, device)
         impl.load_full_state_dict(model, init_state)
 
     def build_optimizer(self, model, spec, features: Features):
@@ -121,8 +122,9 @@ class Ours:
         from torch.distributed.device_mesh import init_device_mesh
 
         impl.save_sharded_checkpoint(model, optim, directory)
-        fresh = build_model()
-        mesh = init_device_mesh("cpu", (ctx.world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+        fresh = build_model().to(ctx.device)
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size // shard_size, shard_size),
+                                mesh_dim_names=("replicate", "shard"))
         for path in wrap_paths:
             impl.fully_shard(fresh.get_submodule(path), mesh=mesh)
         impl.fully_shard(fresh, mesh=mesh)
@@ -197,9 +199,9 @@ class FSDP2:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if features.mesh == "shard":
-            mesh = DeviceMesh.from_group(ctx.group, "cpu")
+            mesh = DeviceMesh.from_group(ctx.group, ctx.device.type)
         else:
-            mesh = make_mesh(features, ctx.world_size)
+            mesh = make_mesh(features, ctx.world_size, ctx.device.type)
         kwargs = {"mesh": mesh, "reshard_after_forward": features.reshard_after_forward}
         if features.mixed_precision:
             kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -211,11 +213,13 @@ class FSDP2:
             _set_prefetch(model, wrap_paths)
         return model
 
-    def materialize(self, model, init_state):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    def materialize(self, model, init_state, device: torch.device = torch.device("cpu")):
+        from torch.distributed.tensor import distribute_tensor
 
-        model.to_empty(device="cpu")
-        set_model_state_dict(model, init_state, options=StateDictOptions(full_state_dict=True))
+        model.to_empty(device=device)
+        with torch.no_grad():  # every rank holds the full reference state: keep this rank's shard
+            for name, param in model.named_parameters():
+                param.copy_(distribute_tensor(init_state[name], param.device_mesh, param.placements))
 
     def full_params(self, model):
         return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
@@ -275,8 +279,8 @@ class Single:
             return CastCompute(model, features.compute_dtype)
         return model
 
-    def materialize(self, model, init_state):
-        model.to_empty(device="cpu")
+    def materialize(self, model, init_state, device: torch.device = torch.device("cpu")):
+        model.to_empty(device=device)
         model.load_state_dict(init_state)
 
     def full_params(self, model):

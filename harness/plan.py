@@ -78,6 +78,8 @@ class RunPlan:
     launch_per_cell: bool = False  # one torchrun per cell: only to measure what batching saves
     extra_pythonpath: tuple[str, ...] = field(default_factory=tuple)
     skipped: tuple[tuple[Cell, str], ...] = ()  # cells that cannot run here, with the reason
+    backend: str = "gloo"  # gloo (CPU) or nccl (one rank per GPU)
+    device: str = "cpu"
 
     @property
     def world_sizes(self) -> tuple[int, ...]:
@@ -136,6 +138,8 @@ def build_plan(
     faults: tuple[str, ...] = (),
     threads: int = 1,
     launch_per_cell: bool = False,
+    backend: str = "gloo",
+    device: str = "cpu",
 ) -> RunPlan:
     from harness.impls import resolve_impl  # imports torch; kept out of plain Cell use
 
@@ -156,6 +160,7 @@ def build_plan(
         raise PlanError(f"--timeout={timeout_s} must be > 0 seconds")
     if threads < 1:
         raise PlanError(f"threads={threads} must be >= 1")
+    check_backend(backend, device, world_sizes)
     extra_paths = []
     for impl in impls:
         try:
@@ -211,7 +216,25 @@ def build_plan(
     out = Path(out_dir)
     check_writable(out)
     return RunPlan(tuple(cells), references, out, float(timeout_s), threads, launch_per_cell,
-                   tuple(dict.fromkeys(extra_paths)), tuple(skipped))
+                   tuple(dict.fromkeys(extra_paths)), tuple(skipped), backend, device)
+
+
+def check_backend(backend: str, device: str, world_sizes: tuple[int, ...]) -> None:
+    """gloo on CPUs; nccl with one rank per visible GPU of this node."""
+    if backend not in ("gloo", "nccl"):
+        raise PlanError(f"--backend={backend!r} must be gloo or nccl")
+    if device not in ("cpu", "cuda"):
+        raise PlanError(f"--device={device!r} must be cpu or cuda")
+    if backend == "nccl" and device != "cuda":
+        raise PlanError("--backend nccl needs --device cuda (NCCL runs on GPUs)")
+    if device == "cuda":
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        too_big = [w for w in world_sizes if w > visible]
+        if too_big:
+            raise PlanError(f"--device cuda runs one rank per GPU: world sizes {too_big} exceed the "
+                            f"{visible} visible GPU(s) (CUDA_VISIBLE_DEVICES); use --world-sizes up to {visible}")
 
 
 def _skip_reason(case, impl: str) -> str | None:
@@ -242,6 +265,8 @@ def write_launch_plan(path: Path, plan: RunPlan, world_size: int, cells: tuple[C
     payload = {
         "world_size": world_size,
         "threads": plan.threads,
+        "backend": plan.backend,
+        "device": plan.device,
         "init_dir": str(plan.init_dir.resolve()),
         "snapshot_dir": str(plan.snapshot_dir.resolve()),
         "cells": [c.to_json() for c in cells],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import signal
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
 from cases.catalog import Case, OptimizerSpec, get_case
 from cases.data import Batch, local_batch
@@ -33,11 +35,13 @@ class Shadow:
     on the global batch: what the unsharded run would have done from exactly where the cell was.
     See docs/error_model.md."""
 
-    def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor]) -> None:
+    def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
+                 device: torch.device = torch.device("cpu")) -> None:
         self.case = case
         features = case.features
         plain = case.build_model()
         plain.load_state_dict(init_state)
+        plain.to(device)
         self.params = dict(plain.named_parameters())
         # Mixed precision: the shadow computes the way the policy does (harness/features.py).
         self.model = CastCompute(plain, features.compute_dtype) if features.mixed_precision else plain
@@ -86,7 +90,7 @@ def _pick(tensors: dict[str, torch.Tensor], names: list[str], what: str, ctx: Ra
             f"rank {ctx.rank}: impl={cell.impl} {what} lack parameters {missing[:4]} "
             f"(has {sorted(tensors)[:4]}...); the adapter must use the plain model's names"
         )
-    return {n: tensors[n].detach().clone() for n in names}
+    return {n: tensors[n].detach().to("cpu", copy=True) for n in names}
 
 
 def _all_gather_rows(t: torch.Tensor, ctx: RankContext) -> torch.Tensor:
@@ -104,10 +108,10 @@ def _gather_step_evidence(loss: torch.Tensor, raws: list[RawShard], ctx: RankCon
     ranks on 2 cores each collective costs milliseconds, and a step has dozens of shards."""
     parts = [loss.detach().double().reshape(1)]
     for raw in raws:
-        parts += [raw.data.double(), torch.tensor(raw.padding_bounds, dtype=torch.float64)]
+        parts += [raw.data.double(), torch.tensor(raw.padding_bounds, dtype=torch.float64, device=loss.device)]
         if raw.grad is not None:
             parts.append(raw.grad.double())
-    rows = _all_gather_rows(torch.cat(parts), ctx)  # (W, n); fp32 values are exact in fp64
+    rows = _all_gather_rows(torch.cat(parts), ctx).cpu()  # (W, n); fp32 values are exact in fp64
     losses = rows[:, 0].to(loss.dtype)
     shards, shard_grads, padding_bounds, at = {}, {}, {}, 1
     for raw in raws:
@@ -142,13 +146,14 @@ def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, cell: Cell, i
     else:
         model = case.build_model()
         model.load_state_dict(init_state)
+        model.to(ctx.device)
     apply_activation_checkpointing(model, features.activation_checkpointing)
     if features == PLAIN:
         wrapped = adapter.wrap(model, case.wrap, ctx, frozenset(cell.faults))
     else:
         wrapped = adapter.wrap(model, case.wrap, ctx, frozenset(cell.faults), features)
     if features.meta_init:
-        adapter.materialize(wrapped, init_state)
+        adapter.materialize(wrapped, init_state, ctx.device)
     return wrapped
 
 
@@ -196,7 +201,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     case = get_case(cell.case)
     features = case.features
     adapter: Adapter = resolve_impl(cell.impl)
-    ctx = world if adapter.needs_process_group else RankContext(0, 1, None)
+    ctx = world if adapter.needs_process_group else RankContext(0, 1, None, world.device)
     if features.refused_wrap and getattr(adapter, "refuses_cross_unit_ties", False):
         _check_refused_wrap(case, adapter, ctx)
     plain = case.build_model()
@@ -206,14 +211,14 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     build_optimizer = getattr(adapter, "build_optimizer", None)
     optim = build_optimizer(wrapped, spec, features) if build_optimizer else spec.build(wrapped.parameters())
     is_writer = world.rank == 0
-    shadow = Shadow(case, spec, init_state) if is_writer else None
+    shadow = Shadow(case, spec, init_state, ctx.device) if is_writer else None
     reshard_steps = features.checkpoint_reshard_at if hasattr(adapter, "reshard_checkpoint") else ()
 
     init_params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
     steps, params_before = [], init_params
     for step in range(1, cell.steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
-        inputs, targets = local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size)
+        inputs, targets = (t.to(ctx.device) for t in local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size))
         optim.zero_grad(set_to_none=True)
         loss = _backward(case, adapter, wrapped, inputs, targets)
         grads = _pick(adapter.full_grads(wrapped), grad_names, "full_grads", ctx, cell)
@@ -229,7 +234,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         record = {"step": step, "loss": losses, "grads": grads, "params": params, "shards": shards,
                   "shard_grads": shard_grads, "padding_bounds": padding_bounds}
         if shadow is not None:
-            record["shadow"] = shadow.step(params_before, batch)
+            record["shadow"] = tree_map(lambda t: t.cpu() if torch.is_tensor(t) else t,
+                                        shadow.step(params_before, tuple(t.to(ctx.device) for t in batch)))
         steps.append(record)
         params_before = params
         if step in reshard_steps:
@@ -258,8 +264,12 @@ def main(argv: list[str]) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     plan = json.loads(Path(argv[1]).read_text())
     torch.set_num_threads(plan["threads"])
-    dist.init_process_group("gloo")
-    world = RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+    backend, device = plan.get("backend", "gloo"), torch.device("cpu")
+    if plan.get("device", "cpu") == "cuda":  # one rank per GPU of this node
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    world = RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, device)
     if world.world_size != plan["world_size"]:
         raise RuntimeError(f"rank {world.rank}: WORLD_SIZE={world.world_size} but the plan is for {plan['world_size']}")
     cells = [Cell.from_json(c) for c in plan["cells"]]
