@@ -14,7 +14,6 @@ import traceback
 from pathlib import Path
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CANNOT_TEST = 0, 1, 2, 125
-PENDING_VERBS: dict[str, str] = {}
 
 
 class UsageError(Exception):
@@ -84,9 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-throughput", action="store_true", help="skip the harness-throughput measurement")
     bench.add_argument("--smoke", action="store_true", help="a tiny model, one step: checks that bench runs")
     _add_issue4_verbs(verbs)
-    for verb, issue in PENDING_VERBS.items():
-        stub = verbs.add_parser(verb, help=f"not implemented yet ({issue})")
-        stub.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -272,9 +268,6 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if args.verb in PENDING_VERBS:
-        print(f"harness {args.verb}: not implemented yet ({PENDING_VERBS[args.verb]})", file=sys.stderr)
-        return EXIT_FAIL
     if args.verb == "list":
         return cmd_list()
     if args.verb in ("fuzz", "mutants"):

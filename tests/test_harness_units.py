@@ -150,12 +150,6 @@ def test_cli_bad_input_exits_2_with_one_line_before_any_rank(argv, monkeypatch, 
     assert len(err.splitlines()) == 1 and "error" in err, err
 
 
-@pytest.mark.parametrize("verb", sorted(cli.PENDING_VERBS) or [pytest.param(None, marks=pytest.mark.skip("none pending"))])
-def test_pending_verbs_exit_nonzero_and_say_so(verb, capsys):
-    assert cli.main([verb]) == 1
-    assert "not implemented yet" in capsys.readouterr().err
-
-
 def test_snapshot_round_trip_and_refusals(tmp_path):
     snap = {"format": FORMAT, "cell": {"case": "mlp"}, "steps": [{"loss": torch.ones(2), "grads": {"w": torch.zeros(3)}}]}
     save_snapshot(tmp_path / "a.pt", snap)
