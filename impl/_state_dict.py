@@ -76,38 +76,67 @@ def init_meta_module(model: nn.Module, device: torch.device | str = "cpu") -> nn
     """Materialise a model built on the meta device and wrapped: `to_empty()`, then each module's
     own `reset_parameters()` run on full (unsharded) parameters, then each rank keeps its shard.
 
+    Modules are reset in `model.modules()` order (the construction order of most models, so the
+    random draws match an eager build). A unit's full parameters exist only from the first reset
+    that touches them until the last one: peak memory is the units in flight, not the model.
     Full parameters are filled with NaN first; a parameter that no reset_parameters() wrote is
     reported by name instead of silently training from uninitialised memory.
     """
     model.to_empty(device=device)
-    units = [m.__dict__["_fsdp_unit"] for m in model.modules() if "_fsdp_unit" in m.__dict__]
-    full_by_handle = {}
+    handles = [h for m in model.modules() if "_fsdp_unit" in m.__dict__ for h in m.__dict__["_fsdp_unit"].handles]
+    handles_of: dict[int, list] = {}  # id(owning module) -> handles holding its parameters
+    pending: dict[int, int] = {}  # id(handle) -> owning modules with reset_parameters not yet run
+    for handle in handles:
+        owner_modules = {id(sub): sub for owners in handle.slot_owners for sub, _ in owners}
+        for key, sub in owner_modules.items():
+            handles_of.setdefault(key, []).append(handle)
+            if callable(getattr(sub, "reset_parameters", None)):
+                pending[id(handle)] = pending.get(id(handle), 0) + 1
+    fulls: dict[int, list[torch.Tensor]] = {}
+    never: list[str] = []
+
+    def materialise(handle) -> None:
+        tensors = [torch.full(s.size, float("nan"), dtype=handle.sharded.dtype, device=device)
+                   for s in handle.layout.slots]
+        for full, owners in zip(tensors, handle.slot_owners):
+            for sub, attr in owners:
+                sub.__dict__[attr] = full
+        fulls[id(handle)] = tensors
+
+    def finish(handle) -> None:
+        tensors = fulls.pop(id(handle), None)
+        if tensors is None:
+            never.extend(s.fqn for s in handle.layout.slots)
+            return
+        missing = [s.fqn for s, t in zip(handle.layout.slots, tensors) if torch.isnan(t).any()]
+        never.extend(missing)
+        if not missing:
+            handle.sharded.copy_(handle.init_sharded_from(tensors))
+            handle.reshard()
+        for owners in handle.slot_owners:
+            for sub, attr in owners:
+                sub.__dict__.pop(attr, None)  # forward points the names at views again
+
     with torch.no_grad():
-        for unit in units:
-            for handle in unit.handles:
-                fulls = [torch.full(s.size, float("nan"), dtype=handle.sharded.dtype, device=device) for s in handle.layout.slots]
-                for full, owners in zip(fulls, handle.slot_owners):
-                    for sub, attr in owners:
-                        sub.__dict__[attr] = full
-                full_by_handle[id(handle)] = (handle, fulls)
         for sub in model.modules():
             reset = getattr(sub, "reset_parameters", None)
-            if callable(reset):
-                reset()
-        never = []
-        for handle, fulls in full_by_handle.values():
-            for slot, full in zip(handle.layout.slots, fulls):
-                if full.is_floating_point() and torch.isnan(full).any():
-                    never.append(slot.fqn)
-            if not never:
-                handle.sharded.copy_(handle.init_sharded_from(fulls))
-                handle.reshard()
-            for owners in handle.slot_owners:
-                for sub, attr in owners:
-                    sub.__dict__.pop(attr, None)  # forward points the names at views again
+            if not callable(reset):
+                continue
+            mine = handles_of.get(id(sub), [])
+            for handle in mine:
+                if id(handle) not in fulls:
+                    materialise(handle)
+            reset()
+            for handle in mine:
+                pending[id(handle)] -= 1
+                if pending[id(handle)] == 0:
+                    finish(handle)
+        for handle in handles:
+            if pending.get(id(handle), 0) != 0 or id(handle) not in pending:
+                finish(handle)  # owners without reset_parameters(): reported below
     if never:
         raise RuntimeError(
-            f"init_meta_module: parameters never materialised by any reset_parameters(): {never}. "
+            f"init_meta_module: parameters never materialised by any reset_parameters(): {sorted(set(never))}. "
             f"Fix: give their module a reset_parameters() or load a full state dict instead."
         )
     return model
