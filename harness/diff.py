@@ -250,13 +250,13 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             if v:
                 viol.append(v)
         for key, rows in list(rec["shards"].items()) + [(k + " (grad)", t) for k, t in rec["shard_grads"].items()]:
-            bounds = rec["padding_bounds"][key.removesuffix(" (grad)")]
-            for r, (start, end) in enumerate(bounds):
-                pad = rows[r, start:end]
+            for r, intervals in enumerate(rec["padding_intervals"][key.removesuffix(" (grad)")]):
+                at = torch.cat([torch.arange(start, end) for start, end in intervals] + [torch.arange(0)])
+                pad = rows[r, at]
                 if pad.numel() and (pad != 0).any():
                     i = int((pad != 0).nonzero()[0].item())
                     viol.append(Violation(spec.kind, step, "padding", key, float("inf"), abs(pad[i].item()), 0.0,
-                                          pad[i].item(), 0.0, index=start + i, rank=r, in_padding=True,
+                                          pad[i].item(), 0.0, index=int(at[i]), rank=r, in_padding=True,
                                           num_violating=int((pad != 0).sum().item())))
         if ref_rec is not None:
             ref_loss = ref_rec["loss"].double().mean()

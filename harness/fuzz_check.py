@@ -52,48 +52,34 @@ class ExampleResult:
         return "pass" if first is None else first.describe("fuzz")
 
 
-def _full(rows: torch.Tensor, layout: dict, names: set[str]) -> dict[str, torch.Tensor]:
-    """(W, shard_numel) raw shards -> full tensors under the plain model's names."""
-    padded = rows.reshape(-1)
-    prefix = f"{layout['unit']}." if layout["unit"] else ""
+def _full(stacked: dict[str, torch.Tensor], name_layouts: dict, sizes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """{key: (W, shard_numel)} raw shards -> full tensors under the plain model's names, sliced at
+    the offsets the impl reported (its padded buffer is the shards concatenated in rank order)."""
     out = {}
-    for fqns, size, offset, numel in layout["slots"]:
-        for fqn in fqns:
-            if prefix + fqn in names:
-                out[prefix + fqn] = padded[offset : offset + numel].view(size).clone()
+    for name, layout in name_layouts.items():
+        rows = stacked.get(layout["flat_key"])
+        if rows is not None and name in sizes:
+            size = sizes[name]
+            out[name] = rows.reshape(-1)[layout["offset"] : layout["offset"] + size.numel()].view(size).clone()
     return out
 
 
 def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[dict],
                       init: dict[str, torch.Tensor]) -> dict:
     case = as_case(spec)
-    layouts = json.loads(replies[0]["layouts"])
-    names = set(dict(case.build_model().named_parameters()))
+    rank_layouts = [json.loads(r["layouts"]) for r in replies]
+    name_layouts = rank_layouts[0]["names"]
+    sizes = {n: p.shape for n, p in case.build_model().named_parameters()}
 
     def stack(per_rank: list[dict]) -> dict[str, torch.Tensor]:
         return {key: torch.stack([r[key] for r in per_rank]) for key in per_rank[0]}
 
     def full(stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
-        for key, rows in stacked.items():
-            out.update(_full(rows, layouts[key], names))
-        return out
+        return _full(stacked, name_layouts, sizes)
 
-    name_layouts = {}
-    for key, layout in layouts.items():
-        shard_numel = -(-sum(s[3] for s in layout["slots"]) // layout["world_size"])
-        for fqns, _, offset, _ in layout["slots"]:
-            for fqn in fqns:
-                name_layouts[f"{layout['unit']}.{fqn}" if layout["unit"] else fqn] = {
-                    "kind": "flat", "unit": layout["unit"] or "<root>", "offset": offset,
-                    "shard_numel": shard_numel, "world_size": layout["world_size"],
-                    "unpadded_numel": sum(s[3] for s in layout["slots"])}
-    padding_bounds = {}
-    for key, layout in layouts.items():
-        unpadded = sum(s[3] for s in layout["slots"])
-        shard_numel = -(-unpadded // layout["world_size"])
-        padding_bounds[key] = [[min(max(unpadded - r * shard_numel, 0), shard_numel), shard_numel]
-                               for r in range(layout["world_size"])]
+    # Each rank's own padding intervals: a rank with a wrong layout shows up in the padding check.
+    padding_intervals = {key: [lay["padding_intervals"][key] for lay in rank_layouts]
+                         for key in rank_layouts[0]["padding_intervals"]}
 
     shadow = Shadow(case, spec.optimizer, init)
     steps, params_before = [], full(stack([r["init"] for r in replies]))
@@ -104,7 +90,7 @@ def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[di
         batch = case.make_batch(case.seed, t + 1, case.global_batch)
         steps.append({"step": t + 1, "loss": torch.stack([r["loss"][t] for r in replies]),
                       "grads": full(shard_grads), "params": params, "shards": shards,
-                      "shard_grads": shard_grads, "padding_bounds": padding_bounds,
+                      "shard_grads": shard_grads, "padding_intervals": padding_intervals,
                       "shadow": shadow.step(params_before, batch)})
         params_before = params
     cell = Cell("fuzz", "ours", spec.world_size, spec.data_mode, spec.steps, faults=tuple(sorted(faults)))

@@ -30,28 +30,20 @@ from harness.snapshot import _pack, _unpack
 
 
 def _shards(model) -> tuple[dict, dict]:
-    from impl import local_shards
-
     data, grads = {}, {}
-    for s in local_shards(model):
-        key = f"{s.unit_fqn or '<root>'}/{s.param_name}"
-        data[key] = s.data
-        if s.grad is not None:
-            grads[key] = s.grad
+    for raw in Ours().raw_shards(model):
+        data[raw.key] = raw.data
+        if raw.grad is not None:
+            grads[raw.key] = raw.grad
     return data, grads
 
 
 def _layouts(model) -> dict:
-    from impl import local_shards
-
-    out = {}
-    for s in local_shards(model):
-        out[f"{s.unit_fqn or '<root>'}/{s.param_name}"] = {
-            "unit": s.unit_fqn,
-            "world_size": s.world_size,
-            "slots": [[list(slot.fqns), list(slot.size), slot.offset, slot.numel] for slot in s.layout.slots],
-        }
-    return out
+    """The adapter's own layout data: per parameter name (offsets in the padded buffer) and, per
+    flat parameter, this rank's padding intervals; the orchestrator recomputes none of it."""
+    return {"names": Ours().layouts(model),
+            "padding_intervals": {raw.key: [list(iv) for iv in raw.padding_intervals]
+                                  for raw in Ours().raw_shards(model)}}
 
 
 def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.Tensor], ctx: RankContext) -> dict:

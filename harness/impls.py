@@ -38,7 +38,7 @@ class RawShard:
     key: str  # '<unit fqn>/<flat param name>'
     data: torch.Tensor  # (shard_numel,)
     grad: torch.Tensor | None  # (shard_numel,) or None
-    padding_bounds: tuple[int, int]  # [start, end) inside the shard
+    padding_intervals: tuple[tuple[int, int], ...]  # every padding run, shard-local [start, end)
 
 
 @runtime_checkable
@@ -159,9 +159,10 @@ class Ours:
                     out[name] = {
                         "kind": "flat",
                         "unit": shard.unit_fqn or "<root>",
-                        "offset": slot.offset,
+                        "flat_key": _flat_key(shard),
+                        "offset": slot.offset,  # in the padded flat buffer, alignment padding included
                         "shard_numel": layout.shard_numel,
-                        "unpadded_numel": layout.unpadded_numel,
+                        "aligned_numel": layout.aligned_numel,
                         "world_size": layout.world_size,
                     }
         return out
@@ -170,12 +171,7 @@ class Ours:
         from impl import local_shards
 
         return [
-            RawShard(
-                key=f"{s.unit_fqn or '<root>'}/{s.param_name}",
-                data=s.data,
-                grad=s.grad,
-                padding_bounds=tuple(s.layout.local_padding_bounds(s.rank)),
-            )
+            RawShard(key=_flat_key(s), data=s.data, grad=s.grad, padding_intervals=s.padding_intervals)
             for s in local_shards(model)
         ]
 
@@ -294,6 +290,11 @@ class Single:
 
     def raw_shards(self, model):
         return []
+
+
+def _flat_key(shard) -> str:
+    """'<unit fqn>/<flat param name>': a RawShard's key, named by every parameter's layout."""
+    return f"{shard.unit_fqn or '<root>'}/{shard.param_name}"
 
 
 def _set_prefetch(model: nn.Module, wrap_paths: tuple[str, ...]) -> None:

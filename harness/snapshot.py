@@ -4,8 +4,8 @@ Format (`FORMAT`), a `torch.save` of plain containers that `torch.load(weights_o
 accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is ever unpickled.
 
     {"format": FORMAT, "cell": Cell.to_json(), "optimizer": "sgd" | "adamw", "world_size": W,
-     "layouts": {param name: {"kind": "flat", "unit", "offset", "shard_numel", "unpadded_numel",
-                              "world_size"} | {"kind": "dim0", "rows", "chunk_rows", "world_size"}
+     "layouts": {param name: {"kind": "flat", "unit", "flat_key", "offset", "shard_numel",
+                              "aligned_numel", "world_size"} | {"kind": "dim0", "rows", "chunk_rows", "world_size"}
                              | {"kind": "replicated"}},
      "init": {"params": {name: tensor}},             # full parameters right after wrapping
      "steps": [{"step": t (1-based),
@@ -14,7 +14,7 @@ accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is 
                 "params": {name: tensor},              # full parameters, after the step
                 "shards": {key: (W, shard_numel)},     # raw local shards (padding included)
                 "shard_grads": {key: (W, shard_numel)},
-                "padding_bounds": {key: [[start, end] per rank]},
+                "padding_intervals": {key: [[[start, end], ...] per rank]},  # shard-local
                 "shadow": {"loss": () tensor, "grads": {...}, "abs_grads": {...},
                            "params": {...}, "state": {name: {state key: tensor}}}}]}
 

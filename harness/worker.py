@@ -104,25 +104,34 @@ def _all_gather_rows(t: torch.Tensor, ctx: RankContext) -> torch.Tensor:
 
 
 def _gather_step_evidence(loss: torch.Tensor, raws: list[RawShard], ctx: RankContext):
-    """Every rank's loss and raw shards (data, grad, padding bounds) in ONE all-gather: with 8
-    ranks on 2 cores each collective costs milliseconds, and a step has dozens of shards."""
+    """Every rank's loss and raw shards (data, grad, padding intervals) in two all-gathers: with 8
+    ranks on 2 cores each collective costs milliseconds, and a step has dozens of shards.
+
+    A shard's number of padding intervals differs between ranks (alignment gaps fall into some
+    shards only), so a first small all-gather agrees on each key's maximum count; each rank then
+    sends that many intervals per key, the missing ones as empty [0, 0), which are dropped.
+    """
+    counts = torch.tensor([len(raw.padding_intervals) for raw in raws], dtype=torch.float64, device=loss.device)
+    capacity = _all_gather_rows(counts, ctx).amax(dim=0).long().tolist() if raws else []
     parts = [loss.detach().double().reshape(1)]
-    for raw in raws:
-        parts += [raw.data.double(), torch.tensor(raw.padding_bounds, dtype=torch.float64, device=loss.device)]
+    for raw, cap in zip(raws, capacity):
+        intervals = list(raw.padding_intervals) + [(0, 0)] * (cap - len(raw.padding_intervals))
+        parts += [raw.data.double(), torch.tensor(intervals, dtype=torch.float64, device=loss.device).reshape(-1)]
         if raw.grad is not None:
             parts.append(raw.grad.double())
     rows = _all_gather_rows(torch.cat(parts), ctx).cpu()  # (W, n); fp32 values are exact in fp64
     losses = rows[:, 0].to(loss.dtype)
-    shards, shard_grads, padding_bounds, at = {}, {}, {}, 1
-    for raw in raws:
+    shards, shard_grads, padding_intervals, at = {}, {}, {}, 1
+    for raw, cap in zip(raws, capacity):
         n = raw.data.numel()
         shards[raw.key] = rows[:, at : at + n].to(raw.data.dtype)
-        padding_bounds[raw.key] = rows[:, at + n : at + n + 2].long().tolist()
-        at += n + 2
+        per_rank = rows[:, at + n : at + n + 2 * cap].long().view(ctx.world_size, cap, 2).tolist()
+        padding_intervals[raw.key] = [[[a, b] for a, b in ivs if b > a] for ivs in per_rank]
+        at += n + 2 * cap
         if raw.grad is not None:
             shard_grads[raw.key] = rows[:, at : at + n].to(raw.grad.dtype)
             at += n
-    return losses, shards, shard_grads, padding_bounds
+    return losses, shards, shard_grads, padding_intervals
 
 
 def _check_refused_wrap(case: Case, adapter: Adapter, ctx: RankContext) -> None:
@@ -230,9 +239,9 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                 torch.nn.utils.clip_grad_norm_(wrapped.parameters(), features.clip_max_norm, features.clip_norm_type)
         optim.step()
         params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
-        losses, shards, shard_grads, padding_bounds = _gather_step_evidence(loss, adapter.raw_shards(wrapped), ctx)
+        losses, shards, shard_grads, padding_intervals = _gather_step_evidence(loss, adapter.raw_shards(wrapped), ctx)
         record = {"step": step, "loss": losses, "grads": grads, "params": params, "shards": shards,
-                  "shard_grads": shard_grads, "padding_bounds": padding_bounds}
+                  "shard_grads": shard_grads, "padding_intervals": padding_intervals}
         if shadow is not None:
             record["shadow"] = tree_map(lambda t: t.cpu() if torch.is_tensor(t) else t,
                                         shadow.step(params_before, tuple(t.to(ctx.device) for t in batch)))

@@ -1,13 +1,14 @@
 """Sharded checkpoints: one file per rank plus metadata, loadable at any world size.
 
 Layout of a checkpoint directory:
-  metadata.json   {"world_size": W, "flat_params": {name: {"slots": [[fqns, size], ...],
-                   "unpadded_numel": n}}, "optimizer": {...}}
+  metadata.json   {"world_size": W, "flat_params": {name: {"slots": [[fqns, size, offset], ...],
+                   "aligned_numel": n}}, "optimizer": {...}}
   rank{r}.pt      {flat_param_name: local shard (padding included),
                    "optim/<flat_param_name>/<state key>": that shard of the optimizer state,
                    "optim_scalars/<flat_param_name>/<key>": scalars such as Adam's step}
 Files are written to a temporary name and renamed, and loaded with weights_only=True.
-Resharding concatenates the old shards, drops the old padding and slices with the new layout.
+Resharding concatenates the old shards, drops the old uniform tail padding and slices with the new
+layout: offsets and alignment padding do not depend on W ([Note: Alignment] in _flat_param.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def _flat_params(model: nn.Module):
 
 
 def _describe(layout: FlatLayout) -> dict:
-    return {"slots": [[list(s.fqns), list(s.size)] for s in layout.slots], "unpadded_numel": layout.unpadded_numel}
+    return {"slots": [[list(s.fqns), list(s.size), s.offset] for s in layout.slots],
+            "aligned_numel": layout.aligned_numel}
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -83,15 +85,15 @@ def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer |
     old_world_size = meta["world_size"]
     shards = [torch.load(path / f"rank{r}.pt", weights_only=True) for r in range(old_world_size)]
     for name, handle in flats:
-        unpadded = meta["flat_params"][name]["unpadded_numel"]
-        full = torch.cat([s[name] for s in shards])[:unpadded]
+        aligned_numel = meta["flat_params"][name]["aligned_numel"]
+        full = torch.cat([s[name] for s in shards])[:aligned_numel]
         with torch.no_grad():
             handle.sharded.copy_(_reshard(full, handle))
         handle.reshard()
         if optimizer is None:
             continue
         keys = {k.split("/", 2)[2] for k in shards[0] if k.startswith(f"optim/{name}/")}
-        state = {key: _reshard(torch.cat([s[f"optim/{name}/{key}"] for s in shards])[:unpadded], handle) for key in keys}
+        state = {key: _reshard(torch.cat([s[f"optim/{name}/{key}"] for s in shards])[:aligned_numel], handle) for key in keys}
         for k in shards[0]:
             if k.startswith(f"optim_scalars/{name}/"):
                 state[k.split("/", 2)[2]] = shards[0][k].clone()
@@ -99,10 +101,10 @@ def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer |
             optimizer.state[handle.sharded] = state
 
 
-def _reshard(full_unpadded: torch.Tensor, handle) -> torch.Tensor:
+def _reshard(full_aligned: torch.Tensor, handle) -> torch.Tensor:
     layout = handle.layout
-    padded = torch.zeros(layout.padded_numel, dtype=full_unpadded.dtype)
-    padded[: layout.unpadded_numel] = full_unpadded
+    padded = torch.zeros(layout.padded_numel, dtype=full_aligned.dtype)
+    padded[: layout.aligned_numel] = full_aligned
     start, end = layout.shard_bounds(handle.comm.shard_rank)
     return padded[start:end].clone().to(handle.sharded.device)
 
@@ -120,6 +122,6 @@ def _check_compatible(meta: dict, flats, path: Path) -> None:
     if missing or unexpected or mismatched:
         raise ValueError(
             f"checkpoint {path} does not match the model: missing in checkpoint {missing}, "
-            f"not in model {unexpected}, different names or shapes {mismatched}. Fix: load it "
+            f"not in model {unexpected}, different names, shapes or offsets {mismatched}. Fix: load it "
             f"into the same model with the same wrapping (any world size works)."
         )

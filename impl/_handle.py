@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from impl._collectives import CommStats, all_gather_into, all_reduce_sum, reduce_scatter_sum
-from impl._flat_param import FlatLayout, flatten_padded, shard_of, unflatten_views
+from impl._flat_param import FlatLayout, flatten_padded, shard_of, unflatten_views, zero_padding_
 
 
 class HandleState(Enum):
@@ -115,8 +115,8 @@ class FlatParamHandle:
             padded = torch.cat([padded, padded.new_zeros(1)])
         local = padded[start:end].clone()
         if "padding_garbage_at_init" in self.comm.faults:
-            pad_start, pad_end = self.layout.local_padding_bounds(self.comm.shard_rank)
-            local[pad_start:pad_end] = 1.0
+            for pad_start, pad_end in self.layout.local_padding_intervals(self.comm.shard_rank):
+                local[pad_start:pad_end] = 1.0
         return local
 
     def check_materialized(self, unit_name: str) -> None:
@@ -227,11 +227,12 @@ class FlatParamHandle:
             sharded_grad.div_(c.data_parallel_size)
         if "drop_last_rank_grad" in c.faults and c.shard_rank == c.shard_world_size - 1:
             sharded_grad.zero_()
-        pad_start, pad_end = self.layout.local_padding_bounds(c.shard_rank)
+        padding = self.layout.local_padding_intervals(c.shard_rank)
         if "grad_padding_garbage" in c.faults:
-            sharded_grad[pad_start:pad_end] = 1.0
+            for pad_start, pad_end in padding:
+                sharded_grad[pad_start:pad_end] = 1.0
         else:
-            sharded_grad[pad_start:pad_end].zero_()
+            zero_padding_(sharded_grad, padding)
         return sharded_grad.to(device=self.sharded.device, dtype=self.sharded.dtype)
 
     def accumulate_sharded_grad(self, sharded_grad: torch.Tensor) -> None:
@@ -242,10 +243,12 @@ class FlatParamHandle:
             param.grad += sharded_grad
 
     def zero_sharded_padding_(self) -> None:
-        pad_start, pad_end = self.layout.local_padding_bounds(self.comm.shard_rank)
-        if pad_end > pad_start and "padding_garbage_at_init" not in self.comm.faults:
-            with torch.no_grad():
-                self.sharded[pad_start:pad_end].zero_()
+        if "padding_garbage_at_init" in self.comm.faults:
+            return
+        # Through .data: at W = 1 the sharded parameter is the autograd leaf whose views an
+        # earlier forward of this unit may have saved; padding is never read by a view, and
+        # writing it must not bump their version counter.
+        zero_padding_(self.sharded.data, self.layout.local_padding_intervals(self.comm.shard_rank))
 
     def has_pending_unsharded_grad(self) -> bool:
         return self._leaf is not None and self._leaf.grad is not None

@@ -178,9 +178,14 @@ class LocalShard:
     grad: torch.Tensor | None
 
     @property
+    def padding_intervals(self) -> tuple[tuple[int, int], ...]:
+        """[start, end) of every padding run in this shard (alignment gaps and the uniform tail)."""
+        return self.layout.local_padding_intervals(self.rank)
+
+    @property
     def padding(self) -> torch.Tensor:
-        start, end = self.layout.local_padding_bounds(self.rank)
-        return self.data[start:end]
+        """Every padding element of this shard, concatenated (a copy)."""
+        return torch.cat([self.data[start:end] for start, end in self.padding_intervals] + [self.data[:0]])
 
 
 def local_shards(model: nn.Module) -> list[LocalShard]:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from impl._collectives import all_gather_into, all_reduce_sum, group_rank_and_size
-from impl._flat_param import FlatLayout, flatten_padded, unflatten_views
+from impl._flat_param import FlatLayout, align_numel_for, flatten_padded, unflatten_views, zero_padding_
 
 
 class ZeroRedundancyOptimizer:
@@ -42,7 +42,9 @@ class ZeroRedundancyOptimizer:
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise ValueError(f"ZeroRedundancyOptimizer: parameters of several dtypes {sorted(map(str, dtypes))}")
-        self.layout = FlatLayout.build([((str(i),), p.shape) for i, p in enumerate(self.params)], self.world_size)
+        self.layout = FlatLayout.build(
+            [((str(i),), p.shape) for i, p in enumerate(self.params)], self.world_size, align_numel_for(*dtypes)
+        )
         with torch.no_grad():
             self.flat = flatten_padded([p.detach() for p in self.params], self.layout)
             for param, view in zip(self.params, unflatten_views(self.flat, self.layout)):
@@ -72,6 +74,5 @@ class ZeroRedundancyOptimizer:
         start, end = self.layout.shard_bounds(self.rank)
         self.shard.grad = flat_grad[start:end].clone()
         self.optim.step()
-        pad_start, pad_end = self.layout.local_padding_bounds(self.rank)
-        self.shard[pad_start:pad_end].zero_()
+        zero_padding_(self.shard, self.layout.local_padding_intervals(self.rank))
         all_gather_into(self.flat, self.shard.detach(), self.group)

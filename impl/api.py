@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from impl._collectives import CommStats, group_rank_and_size
 from impl._faults import validate_faults
-from impl._flat_param import FlatLayout
+from impl._flat_param import FlatLayout, align_numel_for
 from impl._handle import CommConfig, FlatParamHandle
 from impl._unit import FSDPUnit
 
@@ -247,8 +247,11 @@ def _make_handle(
     comm: CommConfig,
     requires_grad: bool,
 ) -> FlatParamHandle:
+    dtypes = {params[0].dtype} | ({comm.param_dtype} if comm.param_dtype is not None else set())
     layout = FlatLayout.build(
-        [(tuple(fqn for _, _, fqn in o), p.shape) for o, p in zip(owners, params)], comm.shard_world_size
+        [(tuple(fqn for _, _, fqn in o), p.shape) for o, p in zip(owners, params)],
+        comm.shard_world_size,
+        align_numel_for(*dtypes),  # [Note: Alignment]: in the sharded and the compute dtype
     )
     param_name = FLAT_PARAM_NAMES[requires_grad]
     handle = FlatParamHandle(

@@ -137,7 +137,22 @@ def flat_layouts(
 def _flat_layouts(draw, min_world_size: int, max_world_size: int, max_params: int, max_numel: int) -> FlatLayout:
     world_size = draw(world_sizes(min_world_size, max_world_size))
     param_sizes = draw(size_lists(world_size, max_params, max_numel))
-    return FlatLayout.build([((f"p{i}",), torch.Size(s)) for i, s in enumerate(param_sizes)], world_size)
+    align_numel = draw(align_numels())
+    named = [((f"p{i}",), torch.Size(s)) for i, s in enumerate(param_sizes)]
+    if align_numel > 1 and draw(st.booleans()):
+        # Alignment gaps move the tail off the hard numel the sizes aimed at: one more parameter,
+        # starting at the next aligned offset, puts the aligned numel back on a hard numel.
+        start = FlatLayout.build(named + [(("probe",), torch.Size([1]))], world_size, align_numel).slots[-1].offset
+        target = draw(hard_numels(world_size, max_numel))
+        if target > start:
+            named.append(((f"p{len(named)}",), torch.Size(draw(sizes_with_numel(target - start)))))
+    return FlatLayout.build(named, world_size, align_numel)
+
+
+def align_numels() -> st.SearchStrategy[int]:
+    """Alignment steps in elements: 1 (dense, every slot boundary a hard numel) and the steps that
+    256 bytes gives in fp64 / fp32 / bf16 and fp16 ([Note: Alignment])."""
+    return st.sampled_from([1, 32, 64, 128, 3])  # 3: not a power of two, the arithmetic is general
 
 
 def numels_and_world_sizes(max_world_size: int = MAX_WORLD_SIZE, max_numel: int = 4096) -> st.SearchStrategy[tuple[int, int]]:

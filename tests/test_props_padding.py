@@ -1,7 +1,9 @@
-"""Properties of uniform padding (see [Note: Uniform padding] in impl/_flat_param.py).
+"""Properties of alignment and uniform padding (see [Note: Alignment] and [Note: Uniform padding] in
+impl/_flat_param.py).
 
-For any parameter sizes and any W in 1..64, simulated in one process with W fake ranks: shards are
-uniform, padding is shorter than W, flatten -> shard -> gather -> unflatten is bitwise the
+For any parameter sizes, alignment steps and any W in 1..64, simulated in one process with W fake
+ranks: every slot starts aligned, the padding intervals are exactly the elements no slot covers,
+shards are uniform, the tail padding is shorter than W, flatten -> shard -> gather -> unflatten is bitwise the
 identity, views alias the padded buffer, a reduce-scatter of per-rank gradients is the summed
 gradient sliced, and an optimizer step leaves the padding exactly zero. The same checks run under
 hypothesis and on a fixed grid of boundary numels.
@@ -46,36 +48,69 @@ def _random_params(layout: FlatLayout, seed: int, dtype: torch.dtype = torch.flo
 
 
 def _padding_of_shard(shard: torch.Tensor, layout: FlatLayout, rank: int) -> torch.Tensor:
-    pad_start, pad_end = layout.local_padding_bounds(rank)
-    return shard[pad_start:pad_end]
+    return torch.cat([shard[a:b] for a, b in layout.local_padding_intervals(rank)] + [shard[:0]])
+
+
+def _slot_mask(layout: FlatLayout) -> torch.Tensor:
+    """(padded_numel,) True where an element belongs to a slot, computed from the slots alone."""
+    mask = torch.zeros(layout.padded_numel, dtype=torch.bool)
+    for slot in layout.slots:
+        assert not mask[slot.offset : slot.end].any(), f"'{slot.fqn}' overlaps another slot"
+        mask[slot.offset : slot.end] = True
+    return mask
+
+
+def check_alignment(layout: FlatLayout) -> None:
+    ends = [0] + [s.end for s in layout.slots]
+    for slot, prev_end in zip(layout.slots, ends):
+        assert slot.offset >= prev_end, f"'{slot.fqn}' starts before the previous slot ends"
+        if slot.numel:
+            assert slot.offset % layout.align_numel == 0, f"'{slot.fqn}' offset={slot.offset} align={layout.align_numel}"
+            assert slot.offset - prev_end < layout.align_numel, f"'{slot.fqn}': a gap of a whole alignment step"
+    # The padding intervals, rank by rank, are exactly the elements no slot covers.
+    covered = _slot_mask(layout)
+    is_padding = torch.zeros(layout.padded_numel, dtype=torch.bool)
+    for rank in range(layout.world_size):
+        start, end = layout.shard_bounds(rank)
+        intervals = layout.local_padding_intervals(rank)
+        assert all(0 <= a < b <= layout.shard_numel for a, b in intervals), (rank, intervals)
+        assert all(b1 < a2 for (_, b1), (a2, _) in zip(intervals, intervals[1:])), f"rank {rank}: {intervals} not disjoint runs"
+        for a, b in intervals:
+            is_padding[start + a : start + b] = True
+    assert torch.equal(is_padding, ~covered), f"padding intervals {layout.padding_intervals()} != uncovered elements"
+    assert int(is_padding.sum()) == layout.padding_numel == layout.padded_numel - layout.param_numel
 
 
 def check_uniform_shards(layout: FlatLayout) -> None:
-    n, w = layout.unpadded_numel, layout.world_size
+    n, w = layout.aligned_numel, layout.world_size
     assert layout.shard_numel == -(-n // w) == shard_numel_for(n, w)
     assert padding_violation(n, w, layout.shard_numel) is None
     assert layout.padded_numel == w * layout.shard_numel
-    assert 0 <= layout.padding_numel < w and (layout.padding_numel == 0) == (n % w == 0)
+    assert 0 <= layout.tail_padding_numel < w and (layout.tail_padding_numel == 0) == (n % w == 0)
     assert sum(layout.split_numels()) == layout.padded_numel
     bounds = [layout.shard_bounds(r) for r in range(w)]
     assert bounds[0][0] == 0 and bounds[-1][1] == layout.padded_numel
     assert all(end - start == layout.shard_numel for start, end in bounds)
     assert all(bounds[r][1] == bounds[r + 1][0] for r in range(w - 1))
-    local_padding = [layout.local_padding_bounds(r) for r in range(w)]
-    assert all(0 <= a <= b == layout.shard_numel for a, b in local_padding)
-    assert sum(b - a for a, b in local_padding) == layout.padding_numel
+    check_alignment(layout)
     for bad_rank in (-1, w):
         with pytest.raises(ValueError, match=f"rank={bad_rank}"):
             layout.shard_bounds(bad_rank)
 
 
 def check_locate(layout: FlatLayout) -> None:
+    covered = _slot_mask(layout).tolist()
+    local_padding = []  # per rank, a shard-local mask from the rank's own padding intervals
+    for rank in range(layout.world_size):
+        mask = [False] * layout.shard_numel
+        for a, b in layout.local_padding_intervals(rank):
+            mask[a:b] = [True] * (b - a)
+        local_padding.append(mask)
     for i in range(layout.padded_numel):
         rank, local = layout.locate(i)
         start, end = layout.shard_bounds(rank)
         assert start <= i < end and start + local == i, f"flat_index={i} rank={rank} local={local}"
-        pad_start, pad_end = layout.local_padding_bounds(rank)
-        assert (pad_start <= local < pad_end) == (i >= layout.unpadded_numel), f"flat_index={i}"
+        assert local_padding[rank][local] == (not covered[i]), f"flat_index={i}"
     for bad_index in (-1, layout.padded_numel):
         with pytest.raises(ValueError, match=f"flat_index={bad_index}"):
             layout.locate(bad_index)
@@ -85,7 +120,7 @@ def check_round_trip(layout: FlatLayout, seed: int, dtype: torch.dtype) -> None:
     params = _random_params(layout, seed, dtype)
     padded = flatten_padded(params, layout)
     assert padded.dtype == dtype and padded.numel() == layout.padded_numel
-    assert torch.all(padded[layout.unpadded_numel :] == 0)
+    assert torch.all(padded[~_slot_mask(layout)] == 0)
     # Each fake rank keeps its own copy of its shard; the gather concatenates them in rank order.
     sharded = [shard_of(padded, layout, r).clone() for r in range(layout.world_size)]
     for rank, shard in enumerate(sharded):
@@ -142,7 +177,7 @@ def check_optimizer_keeps_padding_zero(layout: FlatLayout, seed: int, optimizer:
     # over all W shards steps exactly as W single-rank optimizers would, at a fraction of the cost.
     sharded_params = [torch.nn.Parameter(shard_of(padded, layout, r).clone()) for r in range(layout.world_size)]
     sharded_optimizer = _OPTIMIZERS[optimizer](sharded_params)
-    unsharded_param = torch.nn.Parameter(padded[: layout.unpadded_numel].clone())
+    unsharded_param = torch.nn.Parameter(padded[: layout.aligned_numel].clone())
     unsharded_optimizer = _OPTIMIZERS[optimizer]([unsharded_param])
     for step in range(num_steps):
         padded_grad = flatten_padded([torch.randn(s.size, generator=gen) for s in layout.slots], layout)
@@ -153,12 +188,12 @@ def check_optimizer_keeps_padding_zero(layout: FlatLayout, seed: int, optimizer:
             state = [param] + [t for t in sharded_optimizer.state[param].values() if t.shape == param.shape]
             for t in state:
                 assert torch.all(_padding_of_shard(t, layout, rank) == 0), (
-                    f"rank {rank}: {optimizer} made padding non-zero (step={step}, local_padding={layout.local_padding_bounds(rank)})"
+                    f"rank {rank}: {optimizer} made padding non-zero (step={step}, local_padding={layout.local_padding_intervals(rank)})"
                 )
-        unsharded_param.grad = padded_grad[: layout.unpadded_numel].clone()
+        unsharded_param.grad = padded_grad[: layout.aligned_numel].clone()
         unsharded_optimizer.step()
     gathered = torch.cat([p.detach() for p in sharded_params])
-    torch.testing.assert_close(gathered[: layout.unpadded_numel], unsharded_param.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gathered[: layout.aligned_numel], unsharded_param.detach(), rtol=1e-6, atol=1e-7)
 
 
 # Hypothesis tier.
@@ -217,19 +252,26 @@ _GRID = [
 ] + [(w, _HUGE_PRIME) for w in (1, 2, 7, 16)]
 
 
-def _grid_layout(world_size: int, numel: int) -> FlatLayout:
-    # A 0-d and an empty parameter around the main one: they must not shift the padding.
+def _grid_layout(world_size: int, numel: int, align_numel: int) -> FlatLayout:
+    """A flat parameter whose aligned numel is exactly `numel`: a 0-d and an empty parameter around
+    the main one (they must not shift the padding); aligned, the main one starts a step in."""
+    empty = (("empty",), torch.Size([0, 3]))
     if numel == 0:
-        sizes = [(("weight",), torch.Size([0])), (("empty",), torch.Size([0, 3]))]
+        sizes = [(("weight",), torch.Size([0])), empty]
+    elif align_numel == 1 or numel == 1:
+        sizes = [(("scalar",), torch.Size([])), (("weight",), torch.Size([numel - 1])), empty]
+    elif numel <= align_numel:
+        sizes = [(("empty0",), torch.Size([0])), (("weight",), torch.Size([numel])), empty]
     else:
-        sizes = [(("scalar",), torch.Size([])), (("weight",), torch.Size([numel - 1])), (("empty",), torch.Size([0, 3]))]
-    return FlatLayout.build(sizes, world_size)
+        sizes = [(("scalar",), torch.Size([])), (("weight",), torch.Size([numel - align_numel])), empty]
+    return FlatLayout.build(sizes, world_size, align_numel)
 
 
+@pytest.mark.parametrize("align_numel", [1, 64])
 @pytest.mark.parametrize(("world_size", "numel"), _GRID, ids=[f"W{w}-numel{n}" for w, n in _GRID])
-def test_boundary_numels(world_size, numel):
-    layout = _grid_layout(world_size, numel)
-    assert layout.unpadded_numel == numel
+def test_boundary_numels(world_size, numel, align_numel):
+    layout = _grid_layout(world_size, numel, align_numel)
+    assert layout.aligned_numel == numel
     check_uniform_shards(layout)
     check_round_trip(layout, seed=numel, dtype=torch.float32)
     check_reduce_scatter(layout, seed=numel)
@@ -242,7 +284,7 @@ def test_boundary_numels(world_size, numel):
 
 @pytest.mark.parametrize("world_size", [1, 2, 7, 64])
 def test_flat_parameter_with_no_parameters(world_size):
-    layout = FlatLayout.build([], world_size)
+    layout = FlatLayout.build([], world_size, align_numel=64)
     assert (layout.shard_numel, layout.padded_numel, layout.padding_numel) == (0, 0, 0)
     check_uniform_shards(layout)
     check_round_trip(layout, seed=0, dtype=torch.float32)
