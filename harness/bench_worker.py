@@ -166,6 +166,7 @@ def run_memory(args, rank: int, world_size: int) -> dict:
     grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
     state = sum(nbytes(v) for s in optim.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step")
     largest_unit = max(h.layout.padded_numel * 4 for _, u in impl.units(model) for h in u.handles)
+    padded_numel = sum(h.layout.padded_numel for _, u in impl.units(model) for h in u.handles)
     activations = sum(saved.values())
     sharded = params + grads + state
     # ideal peak: sharded state + one unsharded unit and its unsharded gradient + activations
@@ -178,6 +179,7 @@ def run_memory(args, rank: int, world_size: int) -> dict:
         "sharded_param_bytes": params,
         "sharded_state_bytes": sharded,
         "total_state_bytes": 16 * num_params,
+        "padded_numel": padded_numel,  # every flat parameter, alignment and tail padding included
         "sharded_state_ratio_vs_total_over_w": sharded / (16 * num_params / world_size),
         "largest_unit_bytes": largest_unit,
         "activation_bytes": activations,
