@@ -3,8 +3,12 @@ checks on assembled snapshots, and hypothesis shrinking a planted failure to a m
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
 import torch
-from hypothesis import Phase, find, given, settings
+from hypothesis import Phase, example, find, given, settings
 
 from harness.fuzz import fuzz, model_specs, warm_up_spec
 from harness.fuzz_check import run_example
@@ -62,12 +66,44 @@ def test_specs_reach_the_numels_where_padding_breaks():
     assert any(n.endswith(".mix_t.weight") for n, _ in build_model(tied).named_parameters(remove_duplicate=False))
 
 
+COUNTEREXAMPLES = Path(__file__).parent / "counterexamples"
+
+
+def _pinned(filename: str) -> list[ModelSpec]:
+    return [ModelSpec.from_json(json.dumps(d)) for d in json.loads((COUNTEREXAMPLES / filename).read_text())]
+
+
+def pin_examples(filename: str):
+    """@example every spec of a counterexample corpus file (the derandomised ci profile draws the
+    same examples each run; pinned ones are tested on top, whatever the profile)."""
+    def decorate(test):
+        for spec in _pinned(filename):
+            test = example(spec)(test)
+        return test
+    return decorate
+
+
+# fuzz_w1_misaligned_views.json: honest W = 1 examples that failed while a parameter could sit at an
+# unaligned offset of its flat buffer (issue 18: `fuzz optimizer=sgd step=2 grad
+# 'blocks.1.lin.weight' ratio 2.25` and its kin), found by random search on that commit.
 @settings(max_examples=8)
 @given(model_specs(1))
+@pin_examples("fuzz_w1_misaligned_views.json")
 def test_honest_examples_pass_at_w1(spec):
     result = run_example(InProcessPool(), spec)
     assert result.ok, result.summary()
     assert set(result.margins) >= {"loss", "grad", "param", "padding"}
+
+
+# Honest W = 1 examples with gradient accumulation that still fail: impl is bitwise the plain model
+# running the same micro-batches (tests/test_impl_bitwise_w1.py), but the error model's gradient
+# bound for micro-batches summed against the shadow's one global-batch backward is too tight
+# (ratios 1.0 to 5.0). Strict: each turns into a failure once the bound covers it, to be moved up.
+@pytest.mark.xfail(strict=True, reason="gradient bound too tight for accumulation (harness/tolerance.py)")
+@pytest.mark.parametrize("spec", _pinned("fuzz_w1_accumulation_bound.json"), ids=lambda s: f"seed{s.seed}")
+def test_honest_accumulation_examples_pass_at_w1(spec):
+    result = run_example(InProcessPool(), spec)
+    assert result.ok, result.summary()
 
 
 def _drop_grad_of_odd_units(spec, reply):

@@ -2,9 +2,9 @@
 
 The flat parameter is the only difference at W = 1, so any numerical difference comes from where a
 parameter sits in it ([Note: Alignment] in impl/_flat_param.py). Random layouts mix 1-element
-parameters with Linear, LayerNorm and Embedding shapes, nested and wrapped at random; forward
-loss, every gradient and every parameter after the optimizer step must be equal (torch.equal),
-step after step.
+parameters with Linear, LayerNorm and Embedding shapes, tied and frozen weights, nested and wrapped
+at random, with and without gradient accumulation; forward loss, every gradient and every
+parameter after the optimizer step must be equal (torch.equal), step after step.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ class BlockSpec:
     out_features: int
     bias: bool
     layernorm: bool
+    tied: bool  # a square Linear applied twice under two names ('mix', 'mix_t'), one parameter
+    frozen: bool  # the Linear's weight does not train (a second, frozen flat parameter)
     wrap: bool
     inner: BlockSpec | None
 
@@ -39,7 +41,8 @@ class NetSpec:
     embed_dim: int
     blocks: tuple[BlockSpec, ...]
     head_bias: bool
-    batch: int
+    batch: int  # per micro-batch
+    accumulation: int  # micro-batches per optimizer step
     seq_len: int
     optimizer: str
     seed: int
@@ -50,7 +53,13 @@ class Block(nn.Module):
         super().__init__()
         self.aux = nn.ParameterList([nn.Parameter(torch.randn(n) * 0.1) for n in spec.aux_numels])
         self.lin = nn.Linear(in_features, spec.out_features, bias=spec.bias)
+        self.lin.weight.requires_grad_(not spec.frozen)
         self.norm = nn.LayerNorm(spec.out_features) if spec.layernorm else None
+        self.mix = self.mix_t = None
+        if spec.tied:
+            self.mix = nn.Linear(spec.out_features, spec.out_features, bias=False)
+            self.mix_t = nn.Linear(spec.out_features, spec.out_features, bias=False)
+            self.mix_t.weight = self.mix.weight
         self.inner = Block(spec.inner, spec.out_features) if spec.inner is not None else None
         self.out_features = spec.inner.out_features if spec.inner is not None else spec.out_features
 
@@ -60,6 +69,8 @@ class Block(nn.Module):
         x = torch.tanh(self.lin(x))
         if self.norm is not None:
             x = self.norm(x)
+        if self.mix is not None:
+            x = self.mix_t(torch.tanh(self.mix(x)))
         return self.inner(x) if self.inner is not None else x
 
 
@@ -111,24 +122,29 @@ def assert_bitwise_training(spec: NetSpec, num_steps: int = 2) -> None:
     ref_optim, ours_optim = OPTIMIZERS[spec.optimizer](ref.parameters()), OPTIMIZERS[spec.optimizer](ours.parameters())
     gen = torch.Generator().manual_seed(spec.seed)
     for step in range(1, num_steps + 1):
-        tokens = torch.randint(spec.vocab, (spec.batch, spec.seq_len + 1), generator=gen)
-        x, y = tokens[:, :-1], tokens[:, 1:]
+        tokens = torch.randint(spec.vocab, (spec.accumulation * spec.batch, spec.seq_len + 1), generator=gen)
         losses = []
         for model, optim in ((ref, ref_optim), (ours, ours_optim)):
             optim.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            losses.append(loss.detach())
-        assert torch.equal(losses[0], losses[1]), f"step={step} loss {losses[0].item()!r} != {losses[1].item()!r}"
+            for micro in tokens.chunk(spec.accumulation):
+                x, y = micro[:, :-1], micro[:, 1:]
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / spec.accumulation
+                loss.backward()
+                losses.append(loss.detach())
+        for a, b in zip(losses[: spec.accumulation], losses[spec.accumulation :], strict=True):
+            assert torch.equal(a, b), f"step={step} loss {a.item()!r} != {b.item()!r}"
         grads = impl.full_grad_dict(ours)
-        for name, p in ref.named_parameters():
+        assert set(grads) == {n for n, p in ref.named_parameters(remove_duplicate=False) if p.grad is not None}, f"step={step}"
+        for name, p in ref.named_parameters(remove_duplicate=False):
+            if p.grad is None:
+                continue
             assert torch.equal(grads[name], p.grad), (
                 f"step={step} grad '{name}' max_abs_diff={(grads[name] - p.grad).abs().max().item():.3g}"
             )
         ref_optim.step()
         ours_optim.step()
         params = impl.full_state_dict(ours)
-        for name, p in ref.named_parameters():
+        for name, p in ref.named_parameters(remove_duplicate=False):
             assert torch.equal(params[name], p.detach()), (
                 f"step={step} param '{name}' max_abs_diff={(params[name] - p).abs().max().item():.3g}"
             )
@@ -150,6 +166,8 @@ def block_specs(draw, depth: int = 1) -> BlockSpec:
         out_features=draw(st.integers(1, 9)),
         bias=draw(st.booleans()),
         layernorm=draw(st.booleans()),
+        tied=draw(st.booleans()),
+        frozen=draw(st.booleans()),
         wrap=draw(st.booleans()),
         inner=inner,
     )
@@ -163,6 +181,7 @@ def net_specs(draw) -> NetSpec:
         blocks=tuple(draw(st.lists(block_specs(), min_size=1, max_size=3))),
         head_bias=draw(st.booleans()),
         batch=draw(st.integers(1, 3)),
+        accumulation=draw(st.sampled_from([1, 2])),
         seq_len=draw(st.integers(1, 3)),
         optimizer=draw(st.sampled_from(sorted(OPTIMIZERS))),
         seed=draw(st.integers(0, 2**16)),
@@ -171,9 +190,9 @@ def net_specs(draw) -> NetSpec:
 
 # The issue's reproduction: Linear(5, 4, bias=False) right after a 1-element parameter in one
 # unit (offset 1 before alignment), batch 1, SGD, 2 steps.
-_ISSUE_18 = NetSpec(vocab=3, embed_dim=5, head_bias=True, batch=1, seq_len=1, optimizer="sgd", seed=0,
-                    blocks=(BlockSpec(aux_numels=(1,), out_features=4, bias=False, layernorm=False, wrap=True,
-                                      inner=None),))
+_ISSUE_18 = NetSpec(vocab=3, embed_dim=5, head_bias=True, batch=1, accumulation=1, seq_len=1, optimizer="sgd",
+                    seed=0, blocks=(BlockSpec(aux_numels=(1,), out_features=4, bias=False, layernorm=False,
+                                              tied=False, frozen=False, wrap=True, inner=None),))
 
 
 def test_linear_after_a_one_element_parameter_is_bitwise_at_w1():
