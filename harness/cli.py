@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
 import sys
 import traceback
 from pathlib import Path
+
+from harness.errors import UserError
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CANNOT_TEST = 0, 1, 2, 125
 
@@ -45,9 +46,10 @@ def _add_matrix_args(p: argparse.ArgumentParser, *, cases, impls, world_sizes, d
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="harness", description="Is this FSDP numerically the same training run as the unsharded model?")
     verbs = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
-    run = verbs.add_parser("run", help="run a matrix and write reports (default: the standard matrix into reports/)")
+    run = verbs.add_parser("run", help="run a matrix and write reports (default: the standard matrix into runs/run; "
+                                       "--out reports regenerates the committed report)")
     _add_matrix_args(run, cases="mlp,transformer", impls="ours,fsdp2", world_sizes="1,2,4,8",
-                     data="identical,split", out="reports")
+                     data="identical,split", out="runs/run")
     gate = verbs.add_parser("gate", help="the CI configuration: JUnit XML + Markdown summary")
     _add_matrix_args(gate, cases="mlp,transformer", impls="ours", world_sizes="1,2,4",
                      data="identical,split", out="runs/gate")
@@ -106,16 +108,13 @@ def _plan_from_args(args):
     )
 
 
-def _clear_generated(plan) -> None:
-    """Snapshots, logs and initial states of an earlier run in the same --out are stale."""
-    for path in (plan.snapshot_dir, plan.log_dir, plan.init_dir):
-        if path.exists():
-            shutil.rmtree(path)
+RUN_GENERATED = ("snapshots", "logs", "init")  # what a run writes besides its report set (plan.py dirs)
 
 
 def cmd_run(args, argv: list[str]) -> int:
     from harness.orchestrate import Progress, run_plan
-    from harness.report import build_report, console_summary, write_reports
+    from harness.output import OutputDir
+    from harness.report import build_report, console_summary, report_files
     from harness.verdict import evaluate
 
     plan = _plan_from_args(args)
@@ -124,25 +123,33 @@ def cmd_run(args, argv: list[str]) -> int:
         from harness.baseline import load_baseline
 
         baseline = load_baseline(args.baseline, plan)  # refused before any rank starts
-    _clear_generated(plan)
-    outcome = run_plan(plan, None if args.quiet else Progress(plan))
-    cells, references, matrices = evaluate(plan, outcome)
-    command = "python -m harness " + " ".join(shlex.quote(a) for a in argv)
-    report = build_report(cells, references, matrices, outcome, command)
-    baseline_results = []
-    if baseline is not None:
-        from harness.baseline import check_baseline
-        from harness.gate import apply_baseline
+    with OutputDir(plan.out_dir, plan.run_id, RUN_GENERATED) as output:  # owned and locked, or exit 2
+        outcome = run_plan(plan, None if args.quiet else Progress(plan))
+        cells, references, matrices = evaluate(plan, outcome)
+        command = "python -m harness " + " ".join(shlex.quote(a) for a in argv)
+        report = build_report(cells, references, matrices, outcome, command)
+        baseline_results = []
+        if baseline is not None:
+            from harness.baseline import check_baseline
+            from harness.gate import apply_baseline
 
-        baseline_results = check_baseline(plan, baseline, args.baseline)
-        report = apply_baseline(report, baseline_results)
-    written = write_reports(report, plan.out_dir)
+            baseline_results = check_baseline(plan, baseline, args.baseline)
+            report = apply_baseline(report, baseline_results)
+        files = report_files(report)
+        if args.verb == "gate":
+            from harness.gate import add_gate_files
+
+            files = add_gate_files(files, report, baseline_results)
+        written = output.write_report_set(files)
     console_summary(report)
     if args.verb == "gate":
-        from harness.gate import print_baseline, write_gate_outputs
+        from harness.gate import print_baseline
 
-        write_gate_outputs(report, plan.out_dir, baseline_results)
         print_baseline(baseline_results)
+        step_summary = os.environ.get("GITHUB_STEP_SUMMARY")  # GitHub Actions renders it on the run page
+        if step_summary:
+            with open(step_summary, "a") as f:
+                f.write(files["summary.md"] + "\n")
     print(f"reports: {written['report.md']}")
     return EXIT_PASS if report.verdict == "pass" else EXIT_FAIL
 
@@ -169,21 +176,27 @@ def cmd_list() -> int:
 
 
 def cmd_baseline_record(args) -> int:
-    from harness.baseline import baseline_from_snapshots, reference_plan, write_baseline
+    from harness.baseline import BaselineNotRecorded, baseline_from_snapshots, check_record_target, reference_plan, write_baseline
     from harness.orchestrate import Progress, run_plan
+    from harness.output import OutputDir
     from harness.plan import build_plan, parse_csv
 
     plan = reference_plan(build_plan(cases=parse_csv(args.cases, "cases"), impls=("single",), world_sizes=(1,),
                                      data_modes=("identical",), steps=args.steps, timeout_s=args.timeout,
                                      out_dir=args.work_dir, threads=args.threads))
-    _clear_generated(plan)
-    outcome = run_plan(plan, None if args.quiet else Progress(plan))
-    if outcome.errors:
-        for cell_id, error in outcome.errors.items():
-            print(f"ERROR {cell_id}:\n{error}")
-        print("baseline record: the reference run failed; nothing written", file=sys.stderr)
-        return EXIT_FAIL
-    baseline = baseline_from_snapshots(plan)
+    check_record_target(Path(args.out))  # an unwritable --out is refused before the reference runs
+    with OutputDir(plan.out_dir, plan.run_id, RUN_GENERATED, flag="--work-dir"):
+        outcome = run_plan(plan, None if args.quiet else Progress(plan))
+        if outcome.errors:
+            for cell_id, error in outcome.errors.items():
+                print(f"ERROR {cell_id}:\n{error}")
+            print("baseline record: the reference run failed; nothing written", file=sys.stderr)
+            return EXIT_FAIL
+        try:
+            baseline = baseline_from_snapshots(plan)
+        except BaselineNotRecorded as e:
+            print(f"baseline record: {e}; nothing written", file=sys.stderr)
+            return EXIT_FAIL
     write_baseline(Path(args.out), baseline)
     print(f"baseline: {args.out} (cases {sorted(baseline['cases'])}, key {baseline['key']})")
     return EXIT_PASS
@@ -296,13 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         print(f"harness: cannot test: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_CANNOT_TEST
-    from harness.plan import PlanError
-
     try:
         if args.verb == "baseline":
             return cmd_baseline_record(args)
         return cmd_run(args, argv)
-    except PlanError as e:
+    except UserError as e:
         print(f"harness {args.verb}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shlex
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from cases.catalog import OptimizerSpec
 from harness.fuzz_check import ExampleResult, run_example
 from harness.fuzz_pool import PoolConfig, RankPool
 from harness.fuzz_spec import MAX_NESTING, BlockSpec, ModelSpec, describe
+from harness.output import OutputDir
 
 OPTIMIZERS = (
     OptimizerSpec("sgd", lr=0.05),
@@ -180,6 +182,13 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
     if spec is not None and spec.world_size != world_size:
         raise ValueError(f"--replay spec world_size={spec.world_size} != --world-size={world_size}")
     config = PoolConfig(world_size, out_dir / "logs", threads=threads, example_timeout_s=example_timeout_s)
+    with OutputDir(out_dir, uuid.uuid4().hex, ("logs",)):  # owned and locked: pool logs of one run only
+        return _main(config, spec, max_examples, seed, faults, progress)
+
+
+def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: int, faults: tuple[str, ...],
+          progress: bool) -> bool:
+    world_size = config.world_size
     with RankPool(config) as pool:
         # The first example pays for lazy imports and kernel set-up in every rank: start-up, not rate.
         warm = time.perf_counter()

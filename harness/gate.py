@@ -3,21 +3,19 @@
 - junit.xml: report.py's one test case per cell, plus one per reference cell (a crashed
   reference fails the gate, so CI must show it) and, with --baseline, one per case checked
   against the golden baseline (harness/baseline.py); the failure message is the first divergence.
-- summary.md: one row per cell (crashed and hung cells included) with its first divergence; also
-  appended to $GITHUB_STEP_SUMMARY when that is set (GitHub Actions renders it on the run page).
+- summary.md: one row per cell (crashed and hung cells included) with its first divergence (the
+  CLI also appends it to $GITHUB_STEP_SUMMARY when that is set: GitHub Actions renders it).
 - report.md: a "Golden baseline" section when --baseline was given.
+These are added to the run's report set before it is written, so the set is replaced as a whole.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
-from pathlib import Path
 from xml.etree import ElementTree as ET
 
 from harness.baseline import BaselineResult
 from harness.report import Report
-from harness.snapshot import write_atomic_text
 
 MAX_FAILURE_LINES = 20
 
@@ -44,7 +42,7 @@ def _cell_rows(report: Report) -> list[tuple[str, str, str, str]]:
 
 def render_summary(report: Report, baseline: list[BaselineResult]) -> str:
     lines = [f"## FSDP equivalence gate: {report.verdict.upper()}", "",
-             f"`{report.command}`", "",
+             f"`{report.command}`", "", f"Run id: `{report.run_id}`", "",
              "| cell | verdict | max_abs_diff | first divergence |", "| --- | --- | --- | --- |"]
     for cell_id, verdict, max_abs, first in _cell_rows(report):
         lines.append(f"| {cell_id} | {verdict} | {max_abs} | {first.replace('|', '/')} |")
@@ -68,8 +66,8 @@ def render_baseline_section(baseline: list[BaselineResult]) -> str:
     return "\n".join(out) + "\n"
 
 
-def extend_junit(path: Path, report: Report, baseline: list[BaselineResult]) -> None:
-    root = ET.parse(path).getroot()
+def extend_junit(junit: str, report: Report, baseline: list[BaselineResult]) -> str:
+    root = ET.fromstring(junit)
     for r in report.references:
         case = ET.SubElement(root, "testcase", classname="harness.reference", name=r.cell.cell_id)
         if r.verdict == "fail":
@@ -87,24 +85,18 @@ def extend_junit(path: Path, report: Report, baseline: list[BaselineResult]) -> 
     root.set("tests", str(len(cases)))
     root.set("failures", str(sum(c.find("failure") is not None for c in cases)))
     root.set("errors", str(sum(c.find("error") is not None for c in cases)))
-    write_atomic_text(path, ET.tostring(root, encoding="unicode", xml_declaration=True))
+    return ET.tostring(root, encoding="unicode", xml_declaration=True)
 
 
-def write_gate_outputs(report: Report, out_dir: Path, baseline: list[BaselineResult]) -> str:
-    """junit.xml extended, summary.md written (and appended to $GITHUB_STEP_SUMMARY), report.md
-    given its baseline section. Returns the summary."""
-    out_dir = Path(out_dir)
-    extend_junit(out_dir / "junit.xml", report, baseline)
+def add_gate_files(files: dict[str, str], report: Report, baseline: list[BaselineResult]) -> dict[str, str]:
+    """The run's report files (harness/report.py report_files) with junit.xml extended, report.md
+    given its baseline section and summary.md added."""
+    out = dict(files)
+    out["junit.xml"] = extend_junit(files["junit.xml"], report, baseline)
     if baseline:
-        with open(out_dir / "report.md", "a") as f:
-            f.write(render_baseline_section(baseline))
-    summary = render_summary(report, baseline)
-    write_atomic_text(out_dir / "summary.md", summary)
-    step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if step_summary:
-        with open(step_summary, "a") as f:
-            f.write(summary + "\n")
-    return summary
+        out["report.md"] = files["report.md"] + render_baseline_section(baseline)
+    out["summary.md"] = render_summary(report, baseline)
+    return out
 
 
 def print_baseline(baseline: list[BaselineResult]) -> None:

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cases.catalog import OptimizerSpec
 from harness.diff import Violation
+from harness.errors import UserError
 from harness.fuzz_check import ExampleResult, run_example
 from harness.fuzz_pool import PoolConfig, RankPool
 from harness.fuzz_spec import BlockSpec, ModelSpec
+from harness.output import OutputDir
 from harness.snapshot import write_atomic_text
 
 GATE_CASES = ("mlp", "transformer")
@@ -122,7 +125,7 @@ def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float,
                    world_sizes: tuple[int, ...]) -> dict[str, list[Evidence]]:
     from harness.orchestrate import Progress, run_plan
     from harness.plan import build_plan
-    from harness.report import build_report, write_reports
+    from harness.report import build_report, report_files
     from harness.verdict import evaluate
 
     base = build_plan(cases=GATE_CASES, impls=("ours",), world_sizes=world_sizes,
@@ -130,15 +133,11 @@ def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float,
                       out_dir=out_dir)
     cells = base.cells + tuple(replace(c, faults=(f,)) for f in faults for c in base.cells)
     plan = replace(base, cells=cells)
-    for path in (plan.snapshot_dir, plan.log_dir, plan.init_dir):
-        if path.exists():
-            import shutil
-
-            shutil.rmtree(path)
-    outcome = run_plan(plan, Progress(plan))
-    results, references, matrices = evaluate(plan, outcome)
-    write_reports(build_report(results, references, matrices, outcome, "python -m harness mutants (gate battery)"),
-                  plan.out_dir)
+    with OutputDir(plan.out_dir, plan.run_id, ("snapshots", "logs", "init")) as output:
+        outcome = run_plan(plan, Progress(plan))
+        results, references, matrices = evaluate(plan, outcome)
+        output.write_report_set(report_files(
+            build_report(results, references, matrices, outcome, "python -m harness mutants (gate battery)")))
     by_fault: dict[str, list[Evidence]] = {}
     for r in results:
         key = r.cell.faults[0] if r.cell.faults else HONEST
@@ -189,18 +188,24 @@ def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
     gate_world_sizes = world_sizes or GATE_WORLD_SIZES
     corpus_world_sizes = world_sizes or CORPUS_WORLD_SIZES
     if min(gate_world_sizes) < 2:
-        raise ValueError(f"mutants world sizes {list(gate_world_sizes)}: every fault needs W >= 2 to act")
+        raise UserError(f"mutants world sizes {list(gate_world_sizes)}: every fault needs W >= 2 to act")
 
     faults = list(only) if only else sorted(FAULTS)
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
-        raise ValueError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
+        raise UserError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
+    with OutputDir(out_dir, uuid.uuid4().hex, ("gate", "fuzz", "mutants.md")):
+        return _run(out_dir, faults, FAULTS, timeout_s, gate_world_sizes, corpus_world_sizes)
+
+
+def _run(out_dir: Path, faults: list[str], descriptions: dict[str, str], timeout_s: float,
+         gate_world_sizes: tuple[int, ...], corpus_world_sizes: tuple[int, ...]) -> bool:
     start = time.monotonic()
     gate = _gate_evidence(out_dir / "gate", faults, timeout_s, gate_world_sizes)
     gate_s = time.monotonic() - start
     fuzz = _corpus_evidence(out_dir / "fuzz", faults, corpus_world_sizes)
     rows = [MutantRow(HONEST, "unmutated", gate.get(HONEST, []) + fuzz.get(HONEST, []))]
-    rows += [MutantRow(f, FAULTS[f], gate.get(f, []) + fuzz.get(f, [])) for f in faults]
+    rows += [MutantRow(f, descriptions[f], gate.get(f, []) + fuzz.get(f, [])) for f in faults]
     honest = rows[0]
     honest_margin = honest.ratio()
     per_source = {

@@ -1,16 +1,23 @@
 """The parent process of a run: initial states, one launch per world size, then diff and report.
 
-A launch that crashes costs only the cell it was running: the cells of that world size that never
-started are launched again without it, so every other cell still gets its verdict. A launch that
-hangs is killed at --timeout and not retried; its unfinished cells become errors.
+Every launch outcome counts. A cell is complete when every rank got past the barrier after it
+(rank 0 then writes its completion record, stamped with the run id). When a launch fails (a
+rank exits non-zero or is killed, or the launch times out):
+- the first incomplete cell is the one it was running: it becomes an `error` with the ranks'
+  tracebacks or stacks; the cells after it are launched again without it (not after a timeout:
+  a hang is not retried, so the run ends within --timeout per launch);
+- when every cell was complete, the failure came after the last cell (raising in
+  destroy_process_group, hanging or exiting non-zero at interpreter exit): every cell of that
+  launch becomes an `error`, snapshots or not. Evidence from a launch that did not end cleanly
+  is not judged.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -18,14 +25,14 @@ import torch
 from cases.catalog import get_case
 from harness.launch import LaunchResult, launch
 from harness.plan import Cell, RunPlan
-from harness.snapshot import save_state, snapshot_path
+from harness.snapshot import complete_path, save_state
 
 
 @dataclass
 class RunOutcome:
     plan: RunPlan
     launches: list[LaunchResult] = field(default_factory=list)
-    errors: dict[str, str] = field(default_factory=dict)  # cell_id -> why it has no snapshots
+    errors: dict[str, str] = field(default_factory=dict)  # cell_id -> why its evidence is not judged
     wall_s: float = 0.0
 
 
@@ -36,12 +43,16 @@ def write_init_states(plan: RunPlan) -> None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(case.seed)
             model = case.build_model()
-        save_state(plan.init_dir / f"{case.name}.pt", model.state_dict())
+        save_state(plan.init_dir / f"{case.name}.pt", model.state_dict(), plan.run_id)
 
 
 def cell_done(plan: RunPlan, cell: Cell) -> bool:
-    case = get_case(cell.case)
-    return all(snapshot_path(plan.snapshot_dir, cell.cell_id, o.kind).exists() for o in case.optimizers)
+    """Every rank of this run finished the cell (see the module docstring)."""
+    try:
+        record = json.loads(complete_path(plan.snapshot_dir, cell.cell_id).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("run_id") == plan.run_id
 
 
 class Progress:
@@ -83,7 +94,7 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
     write_init_states(plan)
     for world_size in plan.world_sizes:
         for group in _launch_groups(plan, world_size):
-            pending = [c for c in group if not cell_done(plan, c)]
+            pending = list(group)  # never resumed from files: every cell runs in this run
             attempt = 0
             while pending:
                 label = f"w{world_size}-{pending[0].cell_id}-{attempt}" if plan.launch_per_cell else f"w{world_size}-{attempt}"
@@ -92,12 +103,19 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
                 outcome.launches.append(result)
                 if on_launch is not None:
                     on_launch(result)
-                remaining = [c for c in pending if not cell_done(plan, c)]
-                if result.ok or not remaining:
-                    for cell in remaining:  # exited 0 yet wrote nothing: a worker bug
-                        outcome.errors[cell.cell_id] = f"launch W={world_size} exited 0 without a snapshot"
+                unfinished = [c for c in pending if not cell_done(plan, c)]
+                if result.ok:
+                    for cell in unfinished:  # exited 0 without finishing it: a worker bug
+                        outcome.errors[cell.cell_id] = f"launch W={world_size} exited 0 without completing this cell"
                     break
-                culprit, pending = remaining[0], remaining[1:]
+                if not unfinished:
+                    text = ("every cell of this launch had completed when it failed (a rank raised, hung or exited "
+                            f"non-zero after its last cell, e.g. at exit); its evidence is not judged.\n"
+                            + result.failure_text())
+                    for cell in pending:
+                        outcome.errors[cell.cell_id] = text
+                    break
+                culprit, pending = unfinished[0], unfinished[1:]
                 outcome.errors[culprit.cell_id] = result.failure_text()
                 if result.timed_out:
                     # A hang is not retried: each retry could cost another --timeout, and the

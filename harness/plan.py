@@ -8,24 +8,30 @@ bad request fails with one clear line and exit code 2.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cases.catalog import CASES, get_case
 from cases.data import DATA_MODES
+from harness.errors import UserError
 
 REFERENCE_IMPL = "single"
 DEFAULT_CASES = ("mlp", "transformer")
 DEFAULT_IMPLS = ("ours", "fsdp2")
 DEFAULT_WORLD_SIZES = (1, 2, 4, 8)
 DEFAULT_DATA_MODES = DATA_MODES
+# Rank 0 keeps every step's full parameters, gradients and shadow state in memory and in the
+# snapshot, and the shadow recomputes per-sample gradients at every step: beyond this a run of
+# the standard matrix takes many hours on a CPU host and its snapshots grow past memory.
+MAX_STEPS = 1000
+# Every rank is a process that imports torch (about 0.4 GB each) on this one host.
+MAX_CPU_WORLD_SIZE = 16
 
 
-class PlanError(ValueError):
-    """A bad request (unknown name, impossible combination, unusable output directory)."""
+class PlanError(UserError):
+    """A bad request (unknown name, impossible combination, duplicate implementation name)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,9 @@ class RunPlan:
     skipped: tuple[tuple[Cell, str], ...] = ()  # cells that cannot run here, with the reason
     backend: str = "gloo"  # gloo (CPU) or nccl (one rank per GPU)
     device: str = "cpu"
+    # Stamped into every launch plan, snapshot, initial state and report of this run: evidence
+    # carrying another id is never judged (see harness/verdict.py).
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def world_sizes(self) -> tuple[int, ...]:
@@ -105,9 +114,12 @@ class RunPlan:
 
 
 def parse_csv(value: str, what: str) -> tuple[str, ...]:
-    items = tuple(v.strip() for v in value.split(",") if v.strip())
-    if not items:
+    """Comma-separated, strictly: no empty entry ('1,,2', 'a,'), no repeat."""
+    items = tuple(v.strip() for v in value.split(","))
+    if not value.strip():
         raise PlanError(f"--{what} is empty")
+    if "" in items:
+        raise PlanError(f"--{what}={value} has an empty entry; separate names by single commas, e.g. a,b")
     if len(set(items)) != len(items):
         raise PlanError(f"--{what}={value} repeats an entry")
     return items
@@ -124,6 +136,12 @@ def parse_world_sizes(value: str) -> tuple[int, ...]:
             raise PlanError(f"--world-sizes: world_size={size} must be >= 1")
         sizes.append(size)
     return tuple(sorted(sizes))
+
+
+def check_world_size(size: int, flag: str, device: str = "cpu") -> None:
+    if device == "cpu" and size > MAX_CPU_WORLD_SIZE:
+        raise PlanError(f"{flag}: world_size={size} exceeds {MAX_CPU_WORLD_SIZE}, the most ranks this harness runs "
+                        f"on one CPU host (each rank is a process importing torch); use a smaller world size")
 
 
 def build_plan(
@@ -154,19 +172,30 @@ def build_plan(
     for w in world_sizes:
         if w < 1:
             raise PlanError(f"world_size={w} must be >= 1")
-    if steps is not None and steps < 1:
-        raise PlanError(f"--steps={steps} must be >= 1")
+        check_world_size(w, "--world-sizes", device)
+    if steps is not None and not 1 <= steps <= MAX_STEPS:
+        raise PlanError(f"--steps={steps} must be between 1 and {MAX_STEPS} (every step's full parameters, gradients "
+                        f"and shadow state are kept as evidence)")
     if not timeout_s > 0:
         raise PlanError(f"--timeout={timeout_s} must be > 0 seconds")
     if threads < 1:
         raise PlanError(f"threads={threads} must be >= 1")
     check_backend(backend, device, world_sizes)
     extra_paths = []
+    labels: dict[str, str] = {}
     for impl in impls:
         try:
             adapter = resolve_impl(impl)
         except ValueError as e:
             raise PlanError(str(e)) from None
+        except Exception as e:  # a user's adapter file with a syntax error, raising at import or in __init__
+            raise PlanError(f"impl {impl!r}: loading it raised {type(e).__name__}: {_one_line(e)}; "
+                            f"fix the adapter and run again") from None
+        label = Cell("mlp", impl, 1, "identical", 1).impl_label
+        if label in labels:
+            raise PlanError(f"--impls {labels[label]} and {impl} share the name {label!r}, which keys their cells and "
+                            f"reports; rename one of the classes")
+        labels[label] = impl
         if not adapter.needs_process_group and any(w != 1 for w in world_sizes):
             raise PlanError(
                 f"impl={impl} runs without a process group, so only at world_size=1; "
@@ -213,10 +242,17 @@ def build_plan(
         Cell(name, REFERENCE_IMPL, 1, "identical", steps or get_case(name).steps, is_reference=True)
         for name in cases if any(c.case == name for c in cells)
     )
-    out = Path(out_dir)
-    check_writable(out)
-    return RunPlan(tuple(cells), references, out, float(timeout_s), threads, launch_per_cell,
+    ids = [c.cell_id for c in references + tuple(cells)]
+    assert len(set(ids)) == len(ids), f"cell ids repeat: {sorted(i for i in set(ids) if ids.count(i) > 1)}"
+    return RunPlan(tuple(cells), references, Path(out_dir), float(timeout_s), threads, launch_per_cell,
                    tuple(dict.fromkeys(extra_paths)), tuple(skipped), backend, device)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{e.filename}:{e.lineno}: {e.msg}"
+    return text[0] if text else "(no message)"
 
 
 def check_backend(backend: str, device: str, world_sizes: tuple[int, ...]) -> None:
@@ -249,20 +285,10 @@ def _skip_reason(case, impl: str) -> str | None:
     return unsupported(case.features) if unsupported else None
 
 
-def check_writable(out: Path) -> None:
-    """Create `out` (and its parents) and prove a file can be written there."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=out, prefix=".probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise PlanError(f"--out={out} is not writable: {e.strerror or e}") from None
-
-
 def write_launch_plan(path: Path, plan: RunPlan, world_size: int, cells: tuple[Cell, ...]) -> None:
     """The file a launch's ranks read: only what they need, as JSON (never pickled)."""
     payload = {
+        "run_id": plan.run_id,
         "world_size": world_size,
         "threads": plan.threads,
         "backend": plan.backend,

@@ -1,6 +1,8 @@
-"""Reports, written atomically by the parent: report.md, report.html (heatmaps), summary.json,
-cells.csv, steps.csv, matrices.csv and junit.xml. The verdict here is what the CLI maps to an
-exit code."""
+"""Reports, rendered by the parent: report.md, report.html (heatmaps), summary.json, cells.csv,
+steps.csv, matrices.csv and junit.xml, written as one set (harness/output.py), each naming the
+run id. The verdict here is what the CLI maps to an exit code. NaN and Inf are rendered as
+such (a non-finite value is evidence, not a rendering failure); summary.json stays strict JSON
+by writing them as the strings "nan", "inf" and "-inf"."""
 
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ import torch
 
 from cases.catalog import get_case
 from harness.orchestrate import RunOutcome
-from harness.snapshot import write_atomic_text
 from harness.tolerance import SAFETY_FACTOR, ErrorModel
 from harness.verdict import CellResult, Matrix
 
@@ -35,6 +36,7 @@ class Report:
     command: str
     wall_s: float
     skipped: tuple = ()  # (Cell, reason) of cells that cannot run here
+    run_id: str = ""
 
 
 def environment(plan_threads: int) -> dict:
@@ -61,15 +63,37 @@ def environment(plan_threads: int) -> dict:
 def build_report(cells, references, matrices, outcome: RunOutcome, command: str) -> Report:
     bad = [c for c in cells + references if c.verdict != "pass"]
     return Report("fail" if bad or not cells else "pass", cells, references, matrices,
-                  environment(outcome.plan.threads), command, outcome.wall_s, outcome.plan.skipped)
+                  environment(outcome.plan.threads), command, outcome.wall_s, outcome.plan.skipped,
+                  outcome.plan.run_id)
 
 
 def _fmt(x: float | None) -> str:
     if x is None:
         return "n/a"
+    if not math.isfinite(x):
+        return str(x)  # nan, inf, -inf
     if x == 0:
         return "0.0"
     return f"{x:.2e}"
+
+
+def json_safe(obj):
+    """`obj` with every non-finite float replaced by "nan" / "inf" / "-inf" (strict JSON)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def first_check(r: CellResult) -> str:
+    """The check of the first divergence ('nonfinite', 'grad', ...), 'error' or ''."""
+    if r.verdict == "error":
+        return "error"
+    first = r.first_divergence
+    return first.check if first is not None else ""
 
 
 def cell_row(r: CellResult) -> dict:
@@ -79,6 +103,7 @@ def cell_row(r: CellResult) -> dict:
     return {
         "case": r.cell.case, "impl": r.cell.impl, "world_size": r.cell.world_size, "data": r.cell.data_mode,
         "verdict": r.verdict,
+        "first_check": first_check(r),
         "max_abs_diff": traj.max_abs if traj else None,
         "max_rel_diff": traj.max_rel if traj else None,
         "max_ulp_diff": traj.max_ulp if traj else None,
@@ -102,8 +127,9 @@ def summary_json(report: Report) -> dict:
         row["violations"] = [v.to_json() for v in r.violations[:50]]
         row["error"] = r.error
         cells.append(row)
-    return {
+    return json_safe({
         "verdict": report.verdict,
+        "run_id": report.run_id,
         "cells": cells,
         "references": [{"case": r.cell.case, "verdict": r.verdict, "error": r.error} for r in report.references],
         "skipped": [{"cell_id": c.cell_id, "case": c.case, "impl": c.impl, "world_size": c.world_size,
@@ -112,7 +138,7 @@ def summary_json(report: Report) -> dict:
         "command": report.command,
         "wall_s": round(report.wall_s, 2),
         "safety_factor": SAFETY_FACTOR,
-    }
+    })
 
 
 def _md_table(rows: list[dict]) -> str:
@@ -139,6 +165,7 @@ def render_markdown(report: Report) -> str:
            f"**Verdict: {report.verdict.upper()}** ({len(report.cells)} cells: {counts['pass']} pass, "
            f"{counts['fail']} fail, {counts['error']} error; wall time {report.wall_s:.0f}s)\n",
            f"Command: `{report.command}`\n",
+           f"Run id: `{report.run_id}` (stamped into every snapshot and report file of this run)\n",
            "A cell is one (case, impl, world size, data mode); it trains once per optimizer of its case "
            "(SGD+momentum and AdamW) and passes only if every step of both is within tolerance. "
            "`max_abs_diff`/`max_ulp_diff` compare the cell's losses, gradients and parameters at every step "
@@ -149,7 +176,8 @@ def render_markdown(report: Report) -> str:
     for r in report.cells:
         row = cell_row(r)
         rows.append({"case": row["case"], "impl": row["impl"], "W": row["world_size"], "data": row["data"],
-                     "verdict": row["verdict"], "max_abs_diff": _fmt(row["max_abs_diff"]),
+                     "verdict": row["verdict"], "first check": row["first_check"] or "-",
+                     "max_abs_diff": _fmt(row["max_abs_diff"]),
                      "max_ulp_diff": row["max_ulp_diff"] if row["max_ulp_diff"] is not None else "n/a",
                      "bitwise": row["bitwise_equal"],
                      "margin loss/grad/param": "/".join(_fmt(row[k]) for k in ("margin_loss", "margin_grad", "margin_param"))})
@@ -196,6 +224,8 @@ def render_markdown(report: Report) -> str:
 def _heat(value: float | None) -> str:
     if value is None:
         return "#dddddd"
+    if not math.isfinite(value):
+        return "#7b1fa2"  # NaN / Inf: off the scale, and not a shade of it
     if value == 0:
         return "#e8f5e9"
     level = min(max((math.log10(value) + 10) / 8, 0.0), 1.0)  # 1e-10 .. 1e-2
@@ -210,13 +240,14 @@ def render_html(report: Report) -> str:
              "td,th{border:1px solid #999;padding:3px 8px;text-align:right;font-size:13px}"
              ".pass{background:#c8e6c9}.fail{background:#ffcdd2}.error{background:#ffe0b2}</style>",
              f"<h1>FSDP equivalence report: {e(report.verdict.upper())}</h1><p>{e(report.command)}</p>",
+             f"<p>Run id: {e(report.run_id)}</p>",
              "<h2>Verdicts</h2><table><tr>"]
-    headers = ["case", "impl", "W", "data", "verdict", "max_abs_diff", "max_ulp_diff", "first divergence"]
+    headers = ["case", "impl", "W", "data", "verdict", "first check", "max_abs_diff", "max_ulp_diff", "first divergence"]
     parts.append("".join(f"<th>{h}</th>" for h in headers) + "</tr>")
     for r in report.cells:
         row = cell_row(r)
         parts.append(f"<tr class='{r.verdict}'><td>{e(r.cell.case)}</td><td>{e(r.cell.impl)}</td><td>{r.cell.world_size}</td>"
-                     f"<td>{r.cell.data_mode}</td><td>{r.verdict}</td><td>{_fmt(row['max_abs_diff'])}</td>"
+                     f"<td>{r.cell.data_mode}</td><td>{r.verdict}</td><td>{e(row['first_check'])}</td><td>{_fmt(row['max_abs_diff'])}</td>"
                      f"<td>{row['max_ulp_diff']}</td><td style='text-align:left'>{e(row['first_divergence'] or r.error or '')[:300]}</td></tr>")
     parts.append("</table><h2>W x W matrices (max abs diff, log-scale heat 1e-10 .. 1e-2)</h2>")
     for m in report.matrices:
@@ -236,6 +267,7 @@ def render_junit(report: Report, suite: str = "fsdp-equivalence") -> str:
     errors = sum(r.verdict == "error" for r in report.cells)
     root = ET.Element("testsuite", name=suite, tests=str(len(report.cells)), failures=str(failures),
                       errors=str(errors), time=f"{report.wall_s:.2f}")
+    ET.SubElement(ET.SubElement(root, "properties"), "property", name="run_id", value=report.run_id)
     for r in report.cells:
         case = ET.SubElement(root, "testcase", classname=f"harness.{r.cell.case}", name=r.cell.cell_id)
         if r.verdict == "fail":
@@ -248,10 +280,11 @@ def render_junit(report: Report, suite: str = "fsdp-equivalence") -> str:
 
 
 def _csvs(report: Report) -> dict[str, str]:
-    cells = pd.DataFrame([{"cell_id": r.cell.cell_id, **cell_row(r)} for r in report.cells])
-    steps = pd.DataFrame([{"cell_id": r.cell.cell_id, **row} for r in report.cells
+    run = {"run_id": report.run_id}
+    cells = pd.DataFrame([{**run, "cell_id": r.cell.cell_id, **cell_row(r)} for r in report.cells])
+    steps = pd.DataFrame([{**run, "cell_id": r.cell.cell_id, **row} for r in report.cells
                           for o in r.optimizers.values() for row in o.per_step])
-    matrices = pd.DataFrame([{"case": m.case, "impl": m.impl, "data": m.data_mode, "optimizer": m.optimizer,
+    matrices = pd.DataFrame([{**run, "case": m.case, "impl": m.impl, "data": m.data_mode, "optimizer": m.optimizer,
                               "w_row": a, "w_col": b, "max_abs_diff": v}
                              for m in report.matrices for a, vals in zip(m.labels, m.values)
                              for b, v in zip(m.labels, vals)])
@@ -259,20 +292,15 @@ def _csvs(report: Report) -> dict[str, str]:
             "matrices.csv": matrices.to_csv(index=False)}
 
 
-def write_reports(report: Report, out_dir: Path) -> dict[str, Path]:
-    out_dir = Path(out_dir)
-    files = {
+def report_files(report: Report) -> dict[str, str]:
+    """Every report file, rendered (nothing is written here: see OutputDir.write_report_set)."""
+    return {
         "report.md": render_markdown(report),
         "report.html": render_html(report),
-        "summary.json": json.dumps(summary_json(report), indent=1, default=str) + "\n",
+        "summary.json": json.dumps(summary_json(report), indent=1, default=str, allow_nan=False) + "\n",
         "junit.xml": render_junit(report),
         **_csvs(report),
     }
-    written = {}
-    for name, text in files.items():
-        write_atomic_text(out_dir / name, text)
-        written[name] = out_dir / name
-    return written
 
 
 def console_summary(report: Report, stream=sys.stdout) -> None:

@@ -3,7 +3,8 @@
 Format (`FORMAT`), a `torch.save` of plain containers that `torch.load(weights_only=True)`
 accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is ever unpickled.
 
-    {"format": FORMAT, "cell": Cell.to_json(), "optimizer": "sgd" | "adamw", "world_size": W,
+    {"format": FORMAT, "run_id": the run's id (harness/plan.py), "cell": Cell.to_json(),
+     "optimizer": "sgd" | "adamw", "world_size": W,
      "layouts": {param name: {"kind": "flat", "unit", "flat_key", "offset", "shard_numel",
                               "aligned_numel", "world_size"} | {"kind": "dim0", "rows", "chunk_rows", "world_size"}
                              | {"kind": "replicated"}},
@@ -36,10 +37,16 @@ from pathlib import Path
 import torch
 
 FORMAT = "fsdp-equiv-snapshot/1"
+INIT_FORMAT = "fsdp-equiv-init/1"  # {"format", "run_id", "state": {name: tensor}}
 
 
 def snapshot_path(snapshot_dir: Path, cell_id: str, optimizer: str) -> Path:
     return Path(snapshot_dir) / cell_id / f"{optimizer}.pt"
+
+
+def complete_path(snapshot_dir: Path, cell_id: str) -> Path:
+    """Written by rank 0 once every rank has finished the cell (harness/orchestrate.py reads it)."""
+    return Path(snapshot_dir) / cell_id / "complete.json"
 
 
 def write_atomic_bytes(path: Path, write) -> None:
@@ -104,9 +111,20 @@ def load_snapshot(path: Path) -> dict:
     return _unpack(snapshot)
 
 
-def save_state(path: Path, state: dict[str, torch.Tensor]) -> None:
-    write_atomic_bytes(path, lambda f: torch.save({k: v.detach().clone() for k, v in state.items()}, f))
+def save_state(path: Path, state: dict[str, torch.Tensor], run_id: str) -> None:
+    """The reference initial state of one case, stamped with the run that wrote it."""
+    payload = {"format": INIT_FORMAT, "run_id": run_id, "state": {k: v.detach().clone() for k, v in state.items()}}
+    write_atomic_bytes(path, lambda f: torch.save(payload, f))
 
 
-def load_state(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, weights_only=True, map_location="cpu")
+def load_state(path: Path, run_id: str) -> dict[str, torch.Tensor]:
+    """The state saved by `save_state` of run `run_id`; ValueError for anything else."""
+    payload = torch.load(path, weights_only=True, map_location="cpu")
+    if not isinstance(payload, dict) or payload.get("format") != INIT_FORMAT:
+        raise ValueError(f"{path}: not a {INIT_FORMAT} initial state")
+    if payload.get("run_id") != run_id:
+        raise ValueError(f"{path}: written by run {payload.get('run_id')!r}, not by this run {run_id!r}")
+    state = payload.get("state")
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise ValueError(f"{path}: its state is not a dict of named tensors")
+    return state

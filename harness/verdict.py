@@ -1,14 +1,22 @@
-"""From snapshots to per-cell verdicts and W x W matrices (the parent does this, never a rank)."""
+"""From snapshots to per-cell verdicts and W x W matrices (the parent does this, never a rank).
+
+Nothing reaches the judge unchecked: a cell whose launch failed, whose initial state or snapshot
+is missing, unreadable, from another run or short of what the plan asked for
+(harness/evidence.py) becomes an `error` row naming what is missing; so does a cell whose
+checks raised. Every cell of the plan gets a row.
+"""
 
 from __future__ import annotations
 
+import math
+import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from cases.catalog import get_case
 import torch
 
+from cases.catalog import get_case
 from harness.diff import DiffStats, OptimizerResult, Violation, check_snapshot, flat
+from harness.evidence import EvidenceError, check_same_steps, check_snapshot_evidence, model_parameters
 from harness.orchestrate import RunOutcome
 from harness.plan import Cell, RunPlan
 from harness.snapshot import load_snapshot, load_state, snapshot_path
@@ -38,8 +46,13 @@ class CellResult:
         out: dict[str, float] = {}
         for r in self.optimizers.values():
             for check, value in r.margins.items():
-                out[check] = max(out.get(check, 0.0), value)
+                out[check] = nan_max(out.get(check, 0.0), value)
         return out
+
+
+def nan_max(a: float, b: float) -> float:
+    """max that keeps a NaN (the built-in max keeps or drops it depending on the order)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 @dataclass(frozen=True)
@@ -68,25 +81,59 @@ def _trajectory(snap: dict, order: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def evaluate(plan: RunPlan, outcome: RunOutcome) -> tuple[list[CellResult], list[CellResult], list[Matrix]]:
     """(results of the cells under test, results of the reference cells, W x W matrices)."""
-    snapshots: dict[tuple[str, str], dict] = {}
-    init_states = {name: load_state(plan.init_dir / f"{name}.pt") for name in {c.case for c in plan.cells + plan.references}}
+    snapshots: dict[tuple[str, str], dict] = {}  # only evidence that passed check_snapshot_evidence
+    case_names = sorted({c.case for c in plan.cells + plan.references})
+    init_states: dict[str, dict | str] = {}  # a state, or why there is none
+    for name in case_names:
+        path = plan.init_dir / f"{name}.pt"
+        try:
+            init_states[name] = load_state(path, plan.run_id)
+        except Exception as e:
+            init_states[name] = f"initial state {path} unusable: {type(e).__name__}: {e}"
+    parameters = {name: model_parameters(name) for name in case_names}
+
+    def load_evidence(cell: Cell, kind: str) -> dict:
+        path = snapshot_path(plan.snapshot_dir, cell.cell_id, kind)
+        if not path.exists():
+            raise EvidenceError(f"no snapshot {path} (the launch ended before this cell)")
+        try:
+            snap = load_snapshot(path)
+        except Exception as e:
+            raise EvidenceError(f"snapshot {path} unreadable: {type(e).__name__}: {e}") from None
+        sizes, grad_names = parameters[cell.case]
+        try:
+            check_snapshot_evidence(snap, cell, kind, plan.run_id, sizes, grad_names)
+        except EvidenceError as e:
+            raise EvidenceError(f"snapshot {path}: {e}") from None
+        return snap
 
     def result_for(cell: Cell) -> CellResult:
         if cell.cell_id in outcome.errors:
             return CellResult(cell, "error", error=outcome.errors[cell.cell_id])
+        init_state = init_states[cell.case]
+        if isinstance(init_state, str):
+            return CellResult(cell, "error", error=init_state)
         case = get_case(cell.case)
+        ref_cell = next(r for r in plan.references if r.case == cell.case)
+        loaded = {}
+        try:
+            for spec in case.optimizers:
+                loaded[spec.kind] = load_evidence(cell, spec.kind)
+                ref = snapshots.get((ref_cell.cell_id, spec.kind))
+                if ref is not None and not cell.is_reference:
+                    check_same_steps(loaded[spec.kind], ref, ref_cell)
+        except EvidenceError as e:
+            return CellResult(cell, "error", error=f"incomplete evidence: {e}")
         result = CellResult(cell, "pass")
-        for spec in case.optimizers:
-            path = snapshot_path(plan.snapshot_dir, cell.cell_id, spec.kind)
-            if not path.exists():
-                return CellResult(cell, "error", error=f"no snapshot {path} (the launch ended before this cell)")
-            snapshots[(cell.cell_id, spec.kind)] = load_snapshot(path)
-        for spec in case.optimizers:
-            snap = snapshots[(cell.cell_id, spec.kind)]
-            ref_cell = next(r for r in plan.references if r.case == cell.case)
-            ref = snapshots.get((ref_cell.cell_id, spec.kind))
-            init = {n: init_states[cell.case][n] for n in snap["init"]["params"]}
-            result.optimizers[spec.kind] = check_snapshot(snap, init, ref)
+        for kind, snap in loaded.items():
+            ref = snapshots.get((ref_cell.cell_id, kind))
+            try:
+                result.optimizers[kind] = check_snapshot(snap, {n: init_state[n] for n in snap["init"]["params"]}, ref)
+            except Exception:
+                return CellResult(cell, "error", error=f"the checks of optimizer={kind} raised "
+                                                       f"(no verdict):\n{traceback.format_exc()}")
+        for kind, snap in loaded.items():
+            snapshots[(cell.cell_id, kind)] = snap
         if result.violations:
             result.verdict = "fail"
         return result

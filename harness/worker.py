@@ -27,7 +27,7 @@ from cases.features import PLAIN
 from harness.features import CastCompute, apply_activation_checkpointing, floating_output
 from harness.impls import Adapter, RankContext, RawShard, resolve_impl
 from harness.plan import Cell
-from harness.snapshot import FORMAT, load_state, save_snapshot, snapshot_path
+from harness.snapshot import FORMAT, complete_path, load_state, save_snapshot, snapshot_path, write_atomic_text
 
 
 class Shadow:
@@ -282,18 +282,23 @@ def main(argv: list[str]) -> int:
     if world.world_size != plan["world_size"]:
         raise RuntimeError(f"rank {world.rank}: WORLD_SIZE={world.world_size} but the plan is for {plan['world_size']}")
     cells = [Cell.from_json(c) for c in plan["cells"]]
-    init_dir, snapshot_dir = Path(plan["init_dir"]), Path(plan["snapshot_dir"])
+    init_dir, snapshot_dir, run_id = Path(plan["init_dir"]), Path(plan["snapshot_dir"]), plan["run_id"]
     for i, cell in enumerate(cells):
         case = get_case(cell.case)
-        init_state = load_state(init_dir / f"{case.name}.pt")
+        init_state = load_state(init_dir / f"{case.name}.pt", run_id)
         start = time.perf_counter()
         for spec in case.optimizers:
             if not resolve_impl(cell.impl).needs_process_group and world.rank != 0:
                 continue  # a single-process cell (the reference) runs on rank 0 alone
             snapshot = run_cell(cell, spec, init_state, world, snapshot_dir / "scratch")
             if snapshot is not None:
+                snapshot["run_id"] = run_id
                 save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
-        dist.barrier()
+        dist.barrier()  # every rank finished this cell: a failure later in the launch is not its
+        if world.rank == 0:
+            write_atomic_text(complete_path(snapshot_dir, cell.cell_id),
+                              json.dumps({"run_id": run_id, "cell_id": cell.cell_id}) + "\n")
+        dist.barrier()  # no rank goes on (and may fail at exit) before the record exists
         if world.rank == 0:
             print(f"[harness] W={world.world_size} cell {i + 1}/{len(cells)} {cell.cell_id} "
                   f"{time.perf_counter() - start:.2f}s", flush=True)

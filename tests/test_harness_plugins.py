@@ -4,6 +4,10 @@ user-registration path. They run inside the ranks, so they are plain classes, no
 
 from __future__ import annotations
 
+import atexit
+import os
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -55,6 +59,44 @@ class HangOnRank1(Ours):
         return super().wrap(model, wrap_paths, ctx, faults)
 
 
+# Failures after the last snapshot: every cell's evidence is on disk, yet the launch did not end
+# cleanly, so no cell of it may pass (harness/orchestrate.py).
+
+class RaiseInDestroyOnRank1(Ours):
+    name = "raise_in_destroy_on_rank1"
+
+    def wrap(self, model, wrap_paths, ctx, faults):
+        if ctx.rank == 1:
+            def destroy_process_group(*args, **kwargs):
+                raise RuntimeError("planted failure: rank 1 raises in destroy_process_group")
+
+            dist.destroy_process_group = destroy_process_group  # what the worker calls after its last cell
+        return super().wrap(model, wrap_paths, ctx, faults)
+
+
+class ExitNonZeroAtExitOnRank1(Ours):
+    name = "exit_non_zero_at_exit_on_rank1"
+
+    def wrap(self, model, wrap_paths, ctx, faults):
+        if ctx.rank == 1:
+            atexit.register(os._exit, 3)  # after main() returned 0: no traceback, only the exit status
+        return super().wrap(model, wrap_paths, ctx, faults)
+
+
+def _hang_at_exit() -> None:
+    time.sleep(10**6)
+
+
+class HangAtExitOnRank1(Ours):
+    name = "hang_at_exit_on_rank1"
+
+    def wrap(self, model, wrap_paths, ctx, faults):
+        if ctx.rank == 1:
+            atexit.register(_hang_at_exit)
+        return super().wrap(model, wrap_paths, ctx, faults)
+
+
 def test_plugins_satisfy_the_adapter_protocol():
-    for cls in (CorruptGatheredElement, RaiseOnRank1, HangOnRank1):
+    for cls in (CorruptGatheredElement, RaiseOnRank1, HangOnRank1, RaiseInDestroyOnRank1, ExitNonZeroAtExitOnRank1,
+                HangAtExitOnRank1):
         assert isinstance(cls(), Adapter), cls

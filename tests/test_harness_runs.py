@@ -181,3 +181,63 @@ def _processes_mentioning(text: str) -> list[int]:
             if text in cmdline:
                 found.append(int(entry))
     return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin, timeout_s, evidence", [
+    ("RaiseInDestroyOnRank1", 300, "[rank 1] RuntimeError: planted failure: rank 1 raises in destroy_process_group"),
+    ("ExitNonZeroAtExitOnRank1", 300, "exitcode  : 3"),
+    ("HangAtExitOnRank1", 180, "_hang_at_exit"),  # the stack faulthandler dumped at the timeout
+])
+def test_a_rank_failing_after_its_last_snapshot_errors_every_cell_of_its_launch(tmp_path, plugin, timeout_s, evidence):
+    out = tmp_path / "out"
+    rc, output, _ = _harness(["run", "--cases", "mlp", "--impls", f"{PLUGINS}:{plugin}", "--world-sizes", "2",
+                              "--data", "identical", "--steps", "1", "--timeout", str(timeout_s), "--out", str(out)],
+                             timeout=timeout_s + 300)
+    assert rc == 1, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    (cell,) = summary["cells"]
+    # the evidence was complete: the failure came after it, yet nothing of that launch passes
+    assert all((out / "snapshots" / c / f"{o}.pt").exists() for c in (cell["cell_id"], "ref.mlp") for o in ("sgd", "adamw"))
+    assert cell["verdict"] == "error" and summary["references"][0]["verdict"] == "error"
+    assert "every cell of this launch had completed when it failed" in cell["error"], cell["error"][-2000:]
+    assert evidence in cell["error"], cell["error"][-3000:]
+    junit = (out / "junit.xml").read_text()
+    assert 'errors="1"' in junit and "every cell of this launch had completed" in junit
+    assert _processes_mentioning(str(out)) == []
+
+
+@pytest.mark.slow
+def test_runs_sharing_an_out_never_share_evidence(tmp_path):
+    """An honest run and a buggy one into one --out: started while the first runs, the second is
+    refused (exit 2); started after it, it is judged on its own evidence and fails."""
+    out = tmp_path / "shared"
+    cheap = ["--cases", "mlp", "--world-sizes", "2", "--data", "identical", "--steps", "1", "--timeout", "300",
+             "--out", str(out), "--quiet"]
+    first = subprocess.Popen([sys.executable, "-m", "harness", "run", "--impls", "ours", *cheap], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while '"status": "running"' not in _read(out / ".harness-state.json"):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+        time.sleep(0.2)
+    rc, output, _ = _harness(["run", "--impls", "ours", "--faults", "no_grad_average", *cheap], timeout=120)
+    assert rc == 2, output[-3000:]
+    assert len(output.strip().splitlines()) == 1 and f"--out={out} is in use by another harness run" in output, output
+    assert first.wait(timeout=600) == 0, first.communicate()[0][-3000:]
+    honest = json.loads((out / "summary.json").read_text())
+
+    rc, output, _ = _harness(["run", "--impls", "ours", "--faults", "no_grad_average", *cheap], timeout=600)
+    assert rc == 1, output[-3000:]
+    buggy = json.loads((out / "summary.json").read_text())
+    assert buggy["run_id"] != honest["run_id"]
+    (cell,) = buggy["cells"]
+    assert cell["verdict"] == "fail" and cell["first_divergence"]["check"] == "grad", cell
+    assert f"Run id: `{buggy['run_id']}`" in (out / "report.md").read_text()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
