@@ -21,11 +21,14 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from harness import live_memory
 from harness.launch import LAUNCH_ID_VAR, free_port, kill_launch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# The seeds' figures (GPT-2 medium, 505M parameters, fp32 parameters per GPU): shared/seeds/000.
-SEED_MEMORY_MB = {1: 2020, 8: 253}
+# The seeds' figures for GPT-2 medium (they count 505M parameters): fp32 parameters per GPU
+# (shared/seeds/000) and, with meta-device init, the peak per device (shared/seeds/004).
+SEED_PARAM_MB = {1: 2020, 8: 253}
+SEED_PEAK_MB = {1: 737.84, 8: 187.65}
 
 
 @dataclass(frozen=True)
@@ -38,11 +41,12 @@ class BenchConfig:
     throughput: bool = True
     timeout_s: float = 1200.0
     smoke: bool = False  # a tiny model and one iteration: checks that bench runs, measures nothing
+    medium_world_sizes: tuple[int, ...] = (1, 2, 4, 8)  # GPT-2 medium, ours only (not in a smoke run)
 
     def __post_init__(self) -> None:
         if self.iters < 1:
             raise ValueError(f"iters={self.iters} must be >= 1")
-        bad = [w for w in (*self.speed_world_sizes, *self.memory_world_sizes) if w < 1]
+        bad = [w for w in (*self.speed_world_sizes, *self.memory_world_sizes, *self.medium_world_sizes) if w < 1]
         if bad:
             raise ValueError(f"world sizes {bad} must be >= 1")
 
@@ -81,29 +85,70 @@ def torchrun(world_size: int, args: list[str], threads: int, timeout_s: float, l
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-", dir=cfg.out_dir))
-    result: dict = {"environment": environment(cfg), "speed": [], "memory": []}
+    result: dict = {"environment": environment(cfg), "speed": [], "memory": [], "medium": []}
     smoke = ["--iters", "1", "--warmup", "0", "--smoke"] if cfg.smoke else ["--iters", str(cfg.iters)]
     for w in cfg.speed_world_sizes:
         progress(f"bench: step time and communication, ours vs fsdp2, W={w}")
         out = work / f"speed_w{w}.json"
         torchrun(w, ["harness.bench_worker", "speed", "--out", str(out), "--threads", str(cfg.threads), *smoke],
                  cfg.threads, cfg.timeout_s, work / f"speed_w{w}.log")
-        result["speed"].append(json.loads(out.read_text())["ranks"][0])
+        result["speed"].extend(json.loads(out.read_text())["ranks"][0]["sizes"])
+    config = "smoke" if cfg.smoke else "gpt2-small"
     for w in cfg.memory_world_sizes:
-        progress(f"bench: memory of the GPT-2-small-shaped model, W={w}")
-        out = work / f"memory_w{w}.json"
-        extra = ["--smoke"] if cfg.smoke else []
-        torchrun(w, ["harness.bench_worker", "memory", "--out", str(out), "--threads", str(cfg.threads), *extra],
-                 cfg.threads, cfg.timeout_s, work / f"memory_w{w}.log")
-        ranks = json.loads(out.read_text())["ranks"]
-        entry = dict(ranks[0])
-        entry["peak_rss_growth_bytes_max_rank"] = max(r["peak_rss_growth_bytes"] for r in ranks)
-        result["memory"].append(entry)
+        progress(f"bench: live-tensor memory of the {config}-shaped model, plain / ours / fsdp2, W={w}")
+        result["memory"].append(memory_row(cfg, work, config, w, ("ours", "fsdp2")))
+    for w in () if cfg.smoke else cfg.medium_world_sizes:
+        progress(f"bench: live-tensor memory of the gpt2-medium-shaped model, plain / ours, W={w}")
+        result["medium"].append(memory_row(cfg, work, "gpt2-medium", w, ("ours",)))
     if cfg.throughput and not cfg.smoke:
         progress("bench: harness throughput (batched matrix vs bare launches vs one launch per cell)")
         result["throughput"] = harness_throughput(cfg, work)
     write_outputs(result, cfg.out_dir)
     return result
+
+
+def _memory_launch(cfg: BenchConfig, work: Path, config: str, impl: str, world_size: int,
+                   as_world_size: int = 1) -> list[dict]:
+    out = work / f"memory_{config}_{impl}_w{world_size}_as{as_world_size}.json"
+    torchrun(world_size, ["harness.bench_worker", "memory", "--out", str(out), "--threads", str(cfg.threads),
+                          "--impl", impl, "--config", config, "--as-world-size", str(as_world_size)],
+             cfg.threads, cfg.timeout_s, out.with_suffix(".log"))
+    return json.loads(out.read_text())["ranks"]
+
+
+def memory_row(cfg: BenchConfig, work: Path, config: str, world_size: int, impls: tuple[str, ...]) -> dict:
+    """One world size: the ideal from the plain model, then each implementation's peak per rank.
+
+    ideal = max over the plain model's step (on this W's per-rank batch) of live bytes with
+    parameters, gradients and optimizer state divided by W, plus (W > 1) one unit unsharded: its
+    parameters and its gradient, for the largest unit. Each launch runs alone: two implementations
+    never share the machine's memory.
+    """
+    (plain,) = _memory_launch(cfg, work, config, "plain", 1, as_world_size=world_size)
+    row = {"world_size": world_size, "config": config, "model": plain["model"], "num_params": plain["num_params"],
+           "full_param_bytes": 4 * plain["num_params"],
+           "plain_weighted_peak_bytes": plain["ideal_before_unsharded_unit"]["weighted_bytes"]}
+    for name in impls:
+        ranks = _memory_launch(cfg, work, config, name, world_size)
+        worst = max(ranks, key=lambda r: r["peak"]["total_bytes"])
+        row[name] = {
+            "peak_bytes": worst["peak"]["total_bytes"],
+            "peak_phase": worst["peak"]["phase"],
+            "peak_by_category": worst["peak"]["by_category"],
+            "largest_at_peak": worst["largest_at_peak"],
+            "init_peak_bytes": max(r["init_peak"]["total_bytes"] for r in ranks),
+            "sharded_param_bytes": max(r["sharded_param_bytes"] for r in ranks),
+            "peak_rss_growth_bytes": max(r["peak_rss_growth_bytes"] for r in ranks),
+        }
+        if name == "ours":
+            row["largest_unit_bytes"] = ranks[0]["largest_unit_bytes"]
+            row["ours"]["padded_numel"] = ranks[0]["padded_numel"]
+            row["ours"]["num_flat_params"] = ranks[0]["num_flat_params"]
+    unsharded_unit = 2 * row["largest_unit_bytes"] if world_size > 1 else 0
+    row["ideal_bytes"] = row["plain_weighted_peak_bytes"] + unsharded_unit
+    for name in impls:
+        row[name]["peak_ratio_vs_ideal"] = row[name]["peak_bytes"] / row["ideal_bytes"]
+    return row
 
 
 def harness_throughput(cfg: BenchConfig, work: Path) -> dict:
@@ -150,6 +195,40 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f}"
 
 
+def _speed_markdown(speed: list[dict]) -> list[str]:
+    rows = []
+    for s in speed:
+        rows.append([f"{s['num_params'] / 1e6:.2f}M", s["world_size"], f"{s['step_time_s']['ours'] * 1e3:.1f}",
+                     f"{s['step_time_s']['fsdp2'] * 1e3:.1f}", f"{s['step_time_ratio_vs_fsdp2']:.3f}",
+                     _mb(sum(s["comm"]["ours"]["bytes"].values())), _mb(sum(s["comm"]["fsdp2"]["bytes"].values())),
+                     _mb(sum(s["theory_bytes"].values())), f"{s['comm_bytes_ratio_vs_theory']:.3f}",
+                     f"{s['comm_bytes_ratio_vs_fsdp2']:.3f}"])
+    lines = [tabulate(rows, headers=["model", "W", "ours ms/step", "fsdp2 ms/step", "step_time_ratio_vs_fsdp2",
+                                     "ours comm MiB", "fsdp2 comm MiB", "theory MiB", "comm_bytes_ratio_vs_theory",
+                                     "comm_bytes_ratio_vs_fsdp2"], tablefmt="github")]
+    if speed:
+        models = sorted({s["model"] for s in speed})
+        lines += ["", "Models: " + "; ".join(models) + ". Every size and implementation steps in the same ranks, "
+                  "interleaved. Comm = bytes all-gathered (unsharded output) + reduce-scattered (unsharded input) "
+                  "per step, counted at the c10d ops. Theory (FULL_SHARD): non-root units all-gather twice, the "
+                  "root once, every unit reduce-scatters once."]
+    return lines
+
+
+def _categories_markdown(rows: list[dict], impls: tuple[str, ...]) -> list[str]:
+    categories = [c for c in live_memory.CATEGORIES
+                  if any(r[i]["peak_by_category"].get(c) for r in rows for i in impls if i in r)]
+    table = []
+    for r in rows:
+        for name in impls:
+            if name in r:
+                m = r[name]
+                table.append([r["world_size"], name, m["peak_phase"]]
+                             + [_mb(m["peak_by_category"].get(c, 0)) for c in categories] + [_mb(m["peak_bytes"])])
+    return [tabulate(table, headers=["W", "impl", "peak in"] + [f"{c} MiB" for c in categories] + ["total MiB"],
+                     tablefmt="github")]
+
+
 def render_markdown(result: dict) -> str:
     env = result["environment"]
     lines = [
@@ -161,37 +240,54 @@ def render_markdown(result: dict) -> str:
         "",
         "## Step time and communication (ours vs torch FSDP2, interleaved, median)",
         "",
+        *_speed_markdown(result["speed"]),
     ]
-    rows = []
-    for s in result["speed"]:
-        rows.append([s["world_size"], f"{s['step_time_s']['ours'] * 1e3:.1f}", f"{s['step_time_s']['fsdp2'] * 1e3:.1f}",
-                     f"{s['step_time_ratio_vs_fsdp2']:.3f}", _mb(sum(s["comm"]["ours"]["bytes"].values())),
-                     _mb(sum(s["comm"]["fsdp2"]["bytes"].values())), _mb(sum(s["theory_bytes"].values())),
-                     f"{s['comm_bytes_ratio_vs_theory']:.3f}", f"{s['comm_bytes_ratio_vs_fsdp2']:.3f}"])
-    lines.append(tabulate(rows, headers=["W", "ours ms/step", "fsdp2 ms/step", "step_time_ratio_vs_fsdp2",
-                                         "ours comm MiB", "fsdp2 comm MiB", "theory MiB",
-                                         "comm_bytes_ratio_vs_theory", "comm_bytes_ratio_vs_fsdp2"], tablefmt="github"))
-    if result["speed"]:
-        lines += ["", f"Model: {result['speed'][0]['model']}. Comm = bytes all-gathered (unsharded output) + "
-                  "reduce-scattered (unsharded input) per step, counted at the c10d ops. Theory (FULL_SHARD): "
-                  "non-root units all-gather twice, the root once, every unit reduce-scatters once."]
-    lines += ["", "## Memory per rank (GPT-2-small-shaped model, AdamW, fp32)", ""]
-    rows = []
-    for m in result["memory"]:
-        w = m["world_size"]
-        rows.append([w, _mb(m["sharded_param_bytes"]), _mb(m["sharded_state_bytes"]), _mb(m["total_state_bytes"] / w),
-                     f"{m['sharded_state_ratio_vs_total_over_w']:.4f}", _mb(m["largest_unit_bytes"]),
-                     _mb(m["activation_bytes"]), _mb(m["ideal_peak_bytes"]), _mb(m["peak_rss_growth_bytes_max_rank"]),
-                     SEED_MEMORY_MB.get(w, "")])
-    lines.append(tabulate(rows, headers=["W", "params MiB", "params+grads+Adam MiB", "total/W MiB", "ratio",
-                                         "largest unit MiB", "activations MiB", "ideal peak MiB",
-                                         "peak RSS growth MiB (max rank)", "seeds: GPT-2 medium params MB"],
-                          tablefmt="github"))
-    if result["memory"]:
-        lines += ["", f"Model: {result['memory'][0]['model']}, {result['memory'][0]['num_params'] / 1e6:.1f}M parameters. "
-                  "Ideal peak = sharded state + one unsharded unit and its unsharded gradient + activations "
-                  "(tensors saved for backward). Peak RSS growth is the process's resident-set high-water mark "
-                  "minus its size before the model was built (CPU tensor memory, plus allocator slack)."]
+    memory = result["memory"]
+    if memory:
+        lines += ["", f"## Live-tensor memory per rank ({memory[0]['model']}, {memory[0]['num_params'] / 1e6:.1f}M "
+                  "parameters, AdamW, fp32, built on meta)", ""]
+        rows = []
+        for r in memory:
+            rows.append([r["world_size"], _mb(r["ideal_bytes"]), _mb(r["ours"]["peak_bytes"]),
+                         f"{r['ours']['peak_ratio_vs_ideal']:.3f}", _mb(r["fsdp2"]["peak_bytes"]),
+                         f"{r['fsdp2']['peak_ratio_vs_ideal']:.3f}", _mb(r["ours"]["init_peak_bytes"]),
+                         _mb(r["ours"]["peak_rss_growth_bytes"]), _mb(r["fsdp2"]["peak_rss_growth_bytes"])])
+        lines.append(tabulate(rows, headers=["W", "ideal MiB", "ours peak MiB", "ours peak / ideal", "fsdp2 peak MiB",
+                                             "fsdp2 peak / ideal", "ours init peak MiB", "ours RSS growth MiB",
+                                             "fsdp2 RSS growth MiB"], tablefmt="github"))
+        lines += ["", "Where each peak is (the rank with the highest peak; bytes live at that instant by category):",
+                  "", *_categories_markdown(memory, ("ours", "fsdp2"))]
+    medium = result.get("medium", [])
+    if medium:
+        lines += ["", f"## GPT-2-medium-shaped model ({medium[0]['model']}, {medium[0]['num_params'] / 1e6:.1f}M "
+                  "parameters, AdamW, fp32, built on meta), ours, next to the seeds' figures", ""]
+        rows = []
+        for r in medium:
+            w = r["world_size"]
+            rows.append([w, _mb(r["ours"]["sharded_param_bytes"]), _mb(r["ideal_bytes"]), _mb(r["ours"]["peak_bytes"]),
+                         f"{r['ours']['peak_ratio_vs_ideal']:.3f}", _mb(r["ours"]["init_peak_bytes"]),
+                         _mb(r["ours"]["peak_rss_growth_bytes"]), SEED_PARAM_MB.get(w, ""), SEED_PEAK_MB.get(w, "")])
+        lines.append(tabulate(rows, headers=["W", "params MiB", "ideal MiB", "peak MiB", "peak / ideal",
+                                             "init peak MiB", "RSS growth MiB", "seeds: params MB",
+                                             "seeds: peak MB"], tablefmt="github"))
+        by_w = {r["world_size"]: r["ours"] for r in medium}
+        if 1 in by_w and 8 in by_w:
+            lines += ["", f"Per-rank peak W = 1 / W = 8: {by_w[1]['peak_bytes'] / by_w[8]['peak_bytes']:.2f}x "
+                      f"(parameters {by_w[1]['sharded_param_bytes'] / by_w[8]['sharded_param_bytes']:.2f}x; the seeds: "
+                      f"{SEED_PARAM_MB[1] / SEED_PARAM_MB[8]:.1f}x parameters, {SEED_PEAK_MB[1] / SEED_PEAK_MB[8]:.1f}x "
+                      f"peak). Init peak at W = 8: {_mb(by_w[8]['init_peak_bytes'])} MiB against "
+                      f"{_mb(medium[0]['full_param_bytes'])} MiB of full parameters."]
+        lines += ["", "Where each peak is:", "", *_categories_markdown(medium, ("ours",))]
+    if memory or medium:
+        lines += ["", "Live-tensor bytes are counted per storage from allocation to free (harness/live_memory.py: "
+                  "a dispatch mode, weak references, storage resizes), for every implementation alike. Ideal = "
+                  "the plain model's step on the same per-rank batch, measured the same way, with parameters, "
+                  "gradients and optimizer state divided by W, plus (W > 1) the largest unit's parameters and "
+                  "gradient unsharded. Init peak = live bytes while the meta-built model is materialised. RSS "
+                  "growth = the process's resident-set high-water mark minus its size before the model was "
+                  "built: live tensors plus what the allocator keeps after frees (glibc malloc rarely returns "
+                  "freed memory to the OS), plus the warm-up step's peak, so it is an upper bound that does not "
+                  "fall with W the way live tensors do."]
     t = result.get("throughput")
     if t:
         lines += ["", "## Harness throughput", "",

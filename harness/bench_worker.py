@@ -25,10 +25,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import impl
 from cases.models import TransformerConfig, TransformerLM, lm_loss
+from harness import live_memory
+from harness.live_memory import LiveMemory
 
-SPEED_CONFIG = TransformerConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128)
+# Two sizes for the step-time comparison: 0.93M and 5.27M parameters.
+SPEED_CONFIGS = (
+    TransformerConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128),
+    TransformerConfig(vocab_size=1024, block_size=64, n_layer=6, n_head=8, n_embd=256),
+)
 # GPT-2 small: 124M parameters with the output head tied to the token embedding.
 GPT2_SMALL = TransformerConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, tie_weights=True)
+# GPT-2 medium: 24 layers, d=1024, 16 heads (354.7M parameters here: the attention's qkv has no bias).
+GPT2_MEDIUM = TransformerConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024, tie_weights=True)
 SMOKE_CONFIG = TransformerConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=16, tie_weights=True)
 COLLECTIVE_OPS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
                   "allreduce_": "all_reduce"}
@@ -89,104 +97,207 @@ def theory_bytes(model: torch.nn.Module) -> dict[str, int]:
     return {"all_gather": ag, "reduce_scatter": rs}
 
 
-def run_speed(args, rank: int, world_size: int) -> dict:
+def _speed_size(cfg: TransformerConfig, args, rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
-    base = TransformerLM(SMOKE_CONFIG if args.smoke else SPEED_CONFIG)
+    base = TransformerLM(cfg)
     models = {"ours": wrap_ours(_clone(base)), "fsdp2": wrap_fsdp2(_clone(base), world_size)}
-    optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
-    cfg = SMOKE_CONFIG if args.smoke else SPEED_CONFIG
-    x, y = lm_batch(cfg, args.batch, cfg.block_size, seed=rank)
-    times: dict[str, list[float]] = {k: [] for k in models}
-    comm: dict[str, dict] = {}
+    return {"cfg": cfg, "models": models, "batch": lm_batch(cfg, args.batch, cfg.block_size, seed=rank),
+            "optims": {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()},
+            "times": {k: [] for k in models}, "num_params": sum(p.numel() for p in base.parameters())}
 
-    def step(name: str) -> None:
-        lm_loss(models[name](x), y).backward()
-        optims[name].step()
-        optims[name].zero_grad()
+
+def run_speed(args, rank: int, world_size: int) -> dict:
+    """Every model size's ours and fsdp2 in the same ranks, steps interleaved across sizes and
+    implementations (ours, fsdp2, ours, ... per size), so machine noise hits all alike."""
+    configs = [SMOKE_CONFIG] if args.smoke else list(SPEED_CONFIGS)
+    sizes = [_speed_size(cfg, args, rank, world_size) for cfg in configs]
+
+    def step(size: dict, name: str) -> None:
+        x, y = size["batch"]
+        lm_loss(size["models"][name](x), y).backward()
+        size["optims"][name].step()
+        size["optims"][name].zero_grad()
 
     for i in range(args.warmup + args.iters):
-        for name in models:
-            dist.barrier()
-            start = time.perf_counter()
-            step(name)
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - start)
-    for name in models:  # counted apart: the dispatch mode slows every op
-        with CollectiveBytes() as counter:
-            step(name)
-        comm[name] = {"bytes": dict(counter.bytes), "calls": dict(counter.calls)}
-    median = {k: statistics.median(v) for k, v in times.items()}
-    # every rank's median; the step is as slow as the slowest rank
-    med = torch.tensor([median["ours"], median["fsdp2"]], dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    theory = theory_bytes(models["ours"])
-    ours_total = sum(comm["ours"]["bytes"].values())
-    return {
-        "world_size": world_size,
-        "model": f"TransformerLM {_describe(cfg)}, batch {args.batch} x {cfg.block_size} tokens per rank",
-        "step_time_s": {"ours": med[0].item(), "fsdp2": med[1].item()},
-        "step_time_ratio_vs_fsdp2": med[0].item() / med[1].item(),
-        "comm": comm,
-        "theory_bytes": theory,
-        "comm_bytes_ratio_vs_theory": ours_total / sum(theory.values()),
-        "comm_bytes_ratio_vs_fsdp2": ours_total / sum(comm["fsdp2"]["bytes"].values()),
-        "iters": args.iters,
-    }
+        for size in sizes:
+            for name in size["models"]:
+                dist.barrier()
+                start = time.perf_counter()
+                step(size, name)
+                if i >= args.warmup:
+                    size["times"][name].append(time.perf_counter() - start)
+    out = []
+    for size in sizes:
+        comm = {}
+        for name in size["models"]:  # counted apart: the dispatch mode slows every op
+            with CollectiveBytes() as counter:
+                step(size, name)
+            comm[name] = {"bytes": dict(counter.bytes), "calls": dict(counter.calls)}
+        median = {k: statistics.median(v) for k, v in size["times"].items()}
+        # every rank's median; the step is as slow as the slowest rank
+        med = torch.tensor([median["ours"], median["fsdp2"]], dtype=torch.float64)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        theory = theory_bytes(size["models"]["ours"])
+        ours_total = sum(comm["ours"]["bytes"].values())
+        cfg = size["cfg"]
+        out.append({
+            "world_size": world_size,
+            "model": f"TransformerLM {_describe(cfg)}, {size['num_params'] / 1e6:.2f}M parameters, "
+                     f"batch {args.batch} x {cfg.block_size} tokens per rank",
+            "num_params": size["num_params"],
+            "step_time_s": {"ours": med[0].item(), "fsdp2": med[1].item()},
+            "step_time_ratio_vs_fsdp2": med[0].item() / med[1].item(),
+            "comm": comm,
+            "theory_bytes": theory,
+            "comm_bytes_ratio_vs_theory": ours_total / sum(theory.values()),
+            "comm_bytes_ratio_vs_fsdp2": ours_total / sum(comm["fsdp2"]["bytes"].values()),
+            "iters": args.iters,
+        })
+    return {"world_size": world_size, "sizes": out}
+
+
+CONFIGS = {"smoke": SMOKE_CONFIG, "gpt2-small": GPT2_SMALL, "gpt2-medium": GPT2_MEDIUM}
+
+
+def _materialise(model: torch.nn.Module, impl_name: str) -> None:
+    """Meta -> CPU: ours through init_meta_module (unit by unit), fsdp2 and plain through
+    to_empty() and each module's reset_parameters() (FSDP2's documented meta-device init)."""
+    if impl_name == "ours":
+        impl.init_meta_module(model, "cpu")
+        return
+    model.to_empty(device="cpu")
+    if impl_name == "plain" and model.cfg.tie_weights:
+        model.head.weight = model.tok_emb.weight  # nn.Module.to_empty() off meta unties (FSDP2's keeps the tie)
+    with torch.no_grad():
+        for module in model.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+
+
+def _fsdp2_params(model: torch.nn.Module):
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        for group in state()._fsdp_param_groups:
+            yield from group.fsdp_params
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _tag_state(mem: LiveMemory, model, optim, impl_name: str) -> None:
+    """Tag what persists across steps: parameters, optimizer state, unsharded buffers."""
+    for p in model.parameters():
+        mem.track(_local(p), live_memory.PARAMS)
+        if p.grad is not None:
+            mem.track(_local(p.grad), live_memory.GRADIENTS)
+    for state in optim.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                mem.track(_local(value), live_memory.OPTIMIZER_STATE)
+    if impl_name == "ours":
+        for _, unit in impl.units(model):
+            for handle in unit.handles:
+                if handle._leaf is not None:
+                    mem.track(handle._leaf, live_memory.UNSHARDED_PARAMS)
+    elif impl_name == "fsdp2":
+        for fsdp_param in _fsdp2_params(model):
+            mem.track(fsdp_param._sharded_param_data, live_memory.PARAMS)
+            for t in fsdp_param.all_gather_outputs:
+                mem.track(t, live_memory.UNSHARDED_PARAMS)
+
+
+def _grad_numels(model, impl_name: str) -> frozenset[int]:
+    """Numels a gradient storage can have: every parameter's (full and local) and, for ours, every
+    flat parameter's unsharded (padded) buffer."""
+    numels = {_local(p).numel() for p in model.parameters()}
+    if impl_name == "ours":
+        handles = [h for _, u in impl.units(model) for h in u.handles]
+        numels |= {h.layout.padded_numel for h in handles} | {s.numel for h in handles for s in h.layout.slots}
+    elif impl_name == "fsdp2":
+        numels |= {fp._orig_size.numel() for fp in _fsdp2_params(model)}
+    return frozenset(numels)
+
+
+def _breakdown_json(b: live_memory.Breakdown) -> dict:
+    return {"total_bytes": b.total, "phase": b.phase, "by_category": {k: v for k, v in b.by_category.items() if v}}
 
 
 def run_memory(args, rank: int, world_size: int) -> dict:
+    """Live-tensor bytes through meta init and one training step (after a warm-up step), per rank.
+
+    impl=plain runs the unsharded model alone (W = 1) on the per-rank batch of `--as-world-size`
+    ranks: its timeline, with parameters, gradients and optimizer state divided by that W, is the
+    ideal a ZeRO-3 is measured against.
+    """
     rss_before = _peak_rss_bytes()
-    cfg = SMOKE_CONFIG if args.smoke else GPT2_SMALL
+    cfg = CONFIGS[args.config]
+    data_world_size = args.as_world_size if args.impl == "plain" else world_size
+    if args.global_batch % data_world_size:
+        raise ValueError(f"global_batch={args.global_batch} does not divide by world_size={data_world_size}")
+    seq = min(args.seq, cfg.block_size)
+    x, y = lm_batch(cfg, args.global_batch // data_world_size, seq, seed=rank)
     with torch.device("meta"):
         model = TransformerLM(cfg)
     num_params = sum(p.numel() for p in model.parameters())
-    wrap_ours(model)
+    if args.impl == "ours":
+        wrap_ours(model)
+    elif args.impl == "fsdp2":
+        wrap_fsdp2(model, world_size)
     torch.manual_seed(0)
-    impl.init_meta_module(model, "cpu")
+    with LiveMemory() as init_mem:
+        init_mem.phase("init")
+        _materialise(model, args.impl)
+        init_mem.phase("end")
+    init_peak = init_mem.peak()
+    sharded_param_bytes = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if args.global_batch % world_size:
-        raise ValueError(f"global_batch={args.global_batch} does not divide by world_size={world_size}")
-    seq = min(args.seq, cfg.block_size)
-    x, y = lm_batch(cfg, args.global_batch // world_size, seq, seed=rank)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        base = t._base if t._base is not None else t
-        if not (base.is_leaf and base.requires_grad):  # parameters (and views of them) are not activations
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = lm_loss(model(x), y)
-    loss.backward()
+    lm_loss(model(x), y).backward()  # warm-up: optimizer state and unsharded buffers exist after it
     optim.step()
-    optim.zero_grad(set_to_none=False)
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    params = sum(nbytes(p) for p in model.parameters())
-    grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
-    state = sum(nbytes(v) for s in optim.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step")
-    largest_unit = max(h.layout.padded_numel * 4 for _, u in impl.units(model) for h in u.handles)
-    padded_numel = sum(h.layout.padded_numel for _, u in impl.units(model) for h in u.handles)
-    activations = sum(saved.values())
-    sharded = params + grads + state
-    # ideal peak: sharded state + one unsharded unit and its unsharded gradient + activations
-    ideal = sharded + 2 * largest_unit + activations
-    peak = _peak_rss_bytes() - rss_before
-    return {
+    optim.zero_grad(set_to_none=True)
+    with LiveMemory() as mem:
+        _tag_state(mem, model, optim, args.impl)
+        for t in (x, y):
+            mem.track(t, live_memory.INPUTS)
+        mem.phase("forward")
+        loss = lm_loss(model(x), y)
+        mem.phase("backward")
+        loss.backward()
+        mem.phase("optimizer")
+        for p in model.parameters():  # the storages that ended up as .grad are gradients all along
+            if p.grad is not None:
+                mem.track(_local(p.grad), live_memory.GRADIENTS)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        del loss
+        mem.phase("end")
+    grad_numels = _grad_numels(model, args.impl)
+    peak = mem.peak(grad_numels)
+    out = {
+        "impl": args.impl,
         "world_size": world_size,
-        "model": f"GPT-2-small-shaped TransformerLM {_describe(cfg)}, global batch {args.global_batch} x {seq} tokens",
+        "model": f"TransformerLM {_describe(cfg)}, global batch {args.global_batch} x {seq} tokens",
         "num_params": num_params,
-        "sharded_param_bytes": params,
-        "sharded_state_bytes": sharded,
-        "total_state_bytes": 16 * num_params,
-        "padded_numel": padded_numel,  # every flat parameter, alignment and tail padding included
-        "sharded_state_ratio_vs_total_over_w": sharded / (16 * num_params / world_size),
-        "largest_unit_bytes": largest_unit,
-        "activation_bytes": activations,
-        "ideal_peak_bytes": ideal,
-        "peak_rss_growth_bytes": peak,
-        "peak_ratio_vs_ideal": peak / ideal,
+        "init_peak": _breakdown_json(init_peak),
+        "sharded_param_bytes": sharded_param_bytes,
+        "peak": _breakdown_json(peak),
+        "largest_at_peak": mem.largest_at(peak.event, grad_numels),
+        "peak_rss_growth_bytes": _peak_rss_bytes() - rss_before,
     }
+    if args.impl == "ours":
+        out["largest_unit_bytes"] = max(h.layout.padded_numel * 4 for _, u in impl.units(model) for h in u.handles)
+        out["padded_numel"] = sum(h.layout.padded_numel for _, u in impl.units(model) for h in u.handles)
+        out["num_flat_params"] = sum(len(u.handles) for _, u in impl.units(model))
+    if args.impl == "plain":
+        w = args.as_world_size
+        ideal = mem.weighted_peak({c: 1.0 / w for c in live_memory.STATE}, grad_numels)
+        out["as_world_size"] = w
+        out["ideal_before_unsharded_unit"] = _breakdown_json(ideal)
+        out["ideal_before_unsharded_unit"]["weighted_bytes"] = ideal.weighted
+    return out
 
 
 def _clone(model: torch.nn.Module) -> torch.nn.Module:
@@ -214,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--smoke", action="store_true", help="a tiny model: checks that bench runs")
+    parser.add_argument("--impl", choices=("ours", "fsdp2", "plain"), default="ours")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="gpt2-small")
+    parser.add_argument("--as-world-size", type=int, default=1, help="impl=plain: the per-rank batch of this W")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")

@@ -16,7 +16,7 @@ def test_bench_smoke_writes_every_figure(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "harness", "bench", "--smoke", "--no-throughput", "--out", str(tmp_path),
          "--speed-world-sizes", "2", "--memory-world-sizes", "1,2"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -25,10 +25,20 @@ def test_bench_smoke_writes_every_figure(tmp_path):
         assert speed[key] > 0, key
     # FULL_SHARD on this model: the counted collective bytes equal the theoretical volume.
     assert speed["comm"]["ours"]["bytes"] == speed["theory_bytes"]
-    assert [m["world_size"] for m in result["memory"]] == [1, 2]
+    assert [m["world_size"] for m in result["memory"]] == [1, 2] and result["medium"] == []
     for m in result["memory"]:
-        # params + grads + two Adam moments, fp32, each exactly this rank's 1/W of the padded buffers
-        assert m["sharded_state_bytes"] * m["world_size"] == 16 * m["padded_numel"], m
+        w, ours = m["world_size"], m["ours"]
+        for name in ("ours", "fsdp2"):
+            assert sum(m[name]["peak_by_category"].values()) == m[name]["peak_bytes"] > 0, (name, m)
+            assert m[name]["peak_ratio_vs_ideal"] == m[name]["peak_bytes"] / m["ideal_bytes"], (name, m)
+        # The tracker's own accounting, against what is known exactly: this rank's 1/W of every
+        # padded flat parameter, and AdamW's two moments of the same size plus one fp32 step count
+        # per flat parameter, are live at the peak.
+        params = ours["peak_by_category"]["parameters"]
+        assert params * w == 4 * ours["padded_numel"], m
+        assert ours["peak_by_category"]["optimizer state"] == 2 * params + 4 * ours["num_flat_params"], m
+        assert ours["sharded_param_bytes"] == ours["peak_by_category"]["parameters"], m
+        assert ours["init_peak_bytes"] >= ours["sharded_param_bytes"], m
     assert "step_time_ratio_vs_fsdp2" in (tmp_path / "bench.md").read_text()
 
 
