@@ -1,7 +1,9 @@
 """`python -m harness bisect --good REV --bad REV [gate flags]`: the first commit whose gate fails.
 
 Everything happens in a temporary `git worktree` (detached), so the user's work tree, index and
-HEAD are never touched; the worktree is removed afterwards, also after Ctrl-C or an exception.
+HEAD are never touched; the worktree is removed afterwards, also after Ctrl-C, SIGTERM, SIGHUP or
+an exception. One left behind by a bisect that was killed outright (SIGKILL) is removed by the
+next bisect of that repository: its temporary directory names the process that owned it.
 Each commit is judged by its OWN harness: the step (harness/bisect_step.py, copied out of the
 work tree first, standard library only) runs `python -m harness gate GATE_FLAGS` with cwd and
 PYTHONPATH = the worktree, and maps "could not test" to 125 for `git bisect run`.
@@ -22,13 +24,20 @@ import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
+from harness import lifeline
+from harness.errors import UserError
+from harness.output import OutputDir
+
 STEP_SCRIPT = Path(__file__).resolve().parent / "bisect_step.py"
+TMP_PREFIX = "harness-bisect-"
+OWNER_FILE = "owner"  # in the temporary directory: lifeline.token() of the bisect that made it
 INTERRUPT_GRACE_S = 60.0  # a gate needs a moment to stop its torchrun and write nothing further
 
 
-class BisectError(ValueError):
+class BisectError(UserError):
     """The request cannot be bisected (see the module docstring); the CLI answers exit 2."""
 
 
@@ -105,17 +114,42 @@ def failing_cells_report(step_dir: Path) -> str:
     return "\n".join(lines) if lines else "  (the gate summary lists no failing cell)"
 
 
+def prune_stale_worktrees(top: Path) -> list[Path]:
+    """Remove the worktrees of earlier bisects that died without cleaning up: registered in `top`,
+    inside a TMP_PREFIX directory whose owner process is gone (or that no longer exists)."""
+    removed = []
+    for line in _git(top, "worktree", "list", "--porcelain", check=False).splitlines():
+        path = Path(line.removeprefix("worktree "))
+        if not line.startswith("worktree ") or path.name != "worktree" or not path.parent.name.startswith(TMP_PREFIX):
+            continue
+        try:
+            owner = (path.parent / OWNER_FILE).read_text().strip()
+        except OSError:
+            owner = ""
+        if path.exists() and (not owner or lifeline.alive(owner)):
+            continue  # a bisect still running, or one we cannot prove dead
+        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=top, capture_output=True)
+        shutil.rmtree(path.parent, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def bisect(repo: str | Path, good: str, bad: str, gate_flags: list[str], out: str | Path) -> int:
     top = Path(_git(Path(repo).resolve(), "rev-parse", "--show-toplevel"))
+    for stale in prune_stale_worktrees(top):
+        print(f"harness bisect: removed {stale}, the worktree of an earlier bisect that was killed", flush=True)
     good_sha, bad_sha = _resolve(top, good, "--good"), _resolve(top, bad, "--bad")
     if good_sha == bad_sha:
         raise BisectError(f"--good={good} and --bad={bad} are the same commit {good_sha[:12]}")
     if subprocess.run(["git", "merge-base", "--is-ancestor", good_sha, bad_sha], cwd=top).returncode != 0:
         raise BisectError(f"--good={good} ({good_sha[:12]}) is not an ancestor of --bad={bad} ({bad_sha[:12]})")
     out_root = Path(out).resolve()
+    output = OutputDir(out_root, uuid.uuid4().hex, ("steps", "bisect.log", "bisect_log.txt"))
+    output.open()  # owned and locked, or refused (exit 2) before any commit is checked out
     steps_dir = out_root / "steps"
     steps_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="harness-bisect-"))
+    tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX))
+    (tmp / OWNER_FILE).write_text(lifeline.token() + "\n")
     worktree = tmp / "worktree"
     step_script = tmp / "bisect_step.py"  # the user's copy may change while we bisect
     shutil.copy2(STEP_SCRIPT, step_script)
@@ -123,8 +157,8 @@ def bisect(repo: str | Path, good: str, bad: str, gate_flags: list[str], out: st
     added = False
     try:
         with open(out_root / "bisect.log", "w") as log:
+            added = True  # before the add: a signal during it must still remove the worktree
             _git(top, "worktree", "add", "--detach", str(worktree), bad_sha)
-            added = True
             for flag, rev, sha, want in (("--good", good, good_sha, 0), ("--bad", bad, bad_sha, 1)):
                 _git(worktree, "checkout", "--quiet", "--detach", sha)
                 print(f"harness bisect: checking {flag}={rev} ({sha[:12]})", flush=True)
@@ -144,6 +178,7 @@ def bisect(repo: str | Path, good: str, bad: str, gate_flags: list[str], out: st
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=top, capture_output=True)
             subprocess.run(["git", "worktree", "prune"], cwd=top, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
+        output.close()
     found = re.search(r"^# first bad commit: \[([0-9a-f]{40})\]", bisect_log, re.MULTILINE)
     if rc != 0 or not found:
         print(f"harness bisect: git bisect run could not name a first bad commit (exit {rc}); "

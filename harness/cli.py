@@ -1,24 +1,57 @@
 """`python -m harness VERB` (console script: fsdp-harness). The only place that maps outcomes to
-exit codes: 0 every cell equivalent, 1 a cell not equivalent or a rank crashed or hung, 2 bad
-usage or config (before any rank starts), 125 could not test at all (the project does not import;
-the `git bisect run` convention)."""
+exit codes (`main`, `_exit_code`):
+    0    every cell equivalent;
+    1    a cell not equivalent, or a rank crashed, hung or was lost;
+    2    a mistake in the user's input (flags, files, adapters, baselines, the output directory,
+         disk space, permissions): one line naming the input and the fix, before any rank starts
+         where it can be known then;
+    125  could not test at all (the project does not import; the `git bisect run` convention);
+    128 + N  stopped by signal N (SIGINT, SIGTERM, SIGHUP) after killing every process of the run.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shlex
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
-from harness.errors import UserError
+from harness.errors import PoolLost, UserError
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CANNOT_TEST = 0, 1, 2, 125
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# OSErrors caused by where the user asked us to write, not by the harness.
+USER_OS_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-class UsageError(Exception):
+class UsageError(UserError):
     pass
+
+
+class CannotTest(Exception):
+    """The project itself does not import: nothing can be tested (exit 125)."""
+
+
+class Stopped(BaseException):
+    """A stop signal, raised in the main thread (like KeyboardInterrupt) so that every `finally`
+    on the way out runs: the launch kills its processes, bisect removes its worktree
+    ([Note: No survivors] in harness/lifeline.py)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _on_stop_signal(signum, frame) -> None:
+    # The first signal unwinds through the clean-ups; a second one must not cut them short.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signum)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,15 +110,24 @@ def build_parser() -> argparse.ArgumentParser:
     bisect.add_argument("--out", default="runs/bisect", help="per-commit gate reports (default runs/bisect)")
     verbs.add_parser("list", help="cases, implementations and planted faults")
     bench = verbs.add_parser("bench", help="step time and comm bytes vs torch FSDP2, memory at W = 1..8, harness throughput")
-    bench.add_argument("--out", default="reports/bench", help="writes bench.json and bench.md here (default reports/bench)")
+    bench.add_argument("--out", default="runs/bench",
+                       help="writes bench.json and bench.md here (default runs/bench; --out reports/bench "
+                            "regenerates the committed figures)")
     bench.add_argument("--iters", type=int, default=10, help="timed steps per implementation and world size (default 10)")
     bench.add_argument("--speed-world-sizes", default="2,4", help="world sizes of the step-time comparison (default 2,4)")
     bench.add_argument("--memory-world-sizes", default="1,2,4,8", help="world sizes of the memory table (default 1,2,4,8)")
     bench.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
     bench.add_argument("--no-throughput", action="store_true", help="skip the harness-throughput measurement")
     bench.add_argument("--smoke", action="store_true", help="a tiny model, one step: checks that bench runs")
-    _add_issue4_verbs(verbs)
+    _add_search_verbs(verbs)
     return parser
+
+
+def _out_dir(value: str, flag: str = "--out") -> Path:
+    """An output path from the command line; '' is refused (Path('') would be the current directory)."""
+    if value.strip() == "":
+        raise UsageError(f"{flag} is empty; name a directory (for example {flag} runs/mine)")
+    return Path(value)
 
 
 def _plan_from_args(args):
@@ -183,7 +225,7 @@ def cmd_baseline_record(args) -> int:
 
     plan = reference_plan(build_plan(cases=parse_csv(args.cases, "cases"), impls=("single",), world_sizes=(1,),
                                      data_modes=("identical",), steps=args.steps, timeout_s=args.timeout,
-                                     out_dir=args.work_dir, threads=args.threads))
+                                     out_dir=_out_dir(args.work_dir, "--work-dir"), threads=args.threads))
     check_record_target(Path(args.out))  # an unwritable --out is refused before the reference runs
     with OutputDir(plan.out_dir, plan.run_id, RUN_GENERATED, flag="--work-dir"):
         outcome = run_plan(plan, None if args.quiet else Progress(plan))
@@ -202,7 +244,7 @@ def cmd_baseline_record(args) -> int:
     return EXIT_PASS
 
 
-def _add_issue4_verbs(verbs) -> None:
+def _add_search_verbs(verbs) -> None:
     fuzz = verbs.add_parser("fuzz", help="hypothesis-drawn models through a persistent pool of W ranks (impl=ours)")
     fuzz.add_argument("--world-size", type=int, default=4, help="ranks in the pool (default 4)")
     fuzz.add_argument("--max-examples", type=int, default=40, help="examples hypothesis generates (default 40)")
@@ -220,35 +262,33 @@ def _add_issue4_verbs(verbs) -> None:
     mutants.add_argument("--world-sizes", default="", help=argparse.SUPPRESS)  # one W for a quick test
 
 
-def cmd_fuzz_or_mutants(args) -> int:
+def _import_project(args) -> None:
     try:
-        import impl  # noqa: F401
-    except Exception as e:  # the project itself does not import: nothing can be tested
+        import torch  # noqa: F401
+
+        import cases.catalog  # noqa: F401
+        import harness.orchestrate  # noqa: F401
+        if args.verb in ("fuzz", "mutants") or "ours" in getattr(args, "impls", "").split(","):
+            import impl  # noqa: F401
+    except Exception as e:
         traceback.print_exc()
-        print(f"harness: cannot test: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_CANNOT_TEST
-    from harness.plan import PlanError, parse_csv
+        raise CannotTest(f"{type(e).__name__}: {e}") from None
 
-    try:
-        if args.verb == "fuzz":
-            from harness.fuzz import main as fuzz_main
 
-            ok = fuzz_main(args.world_size, args.max_examples, args.seed,
-                           parse_csv(args.faults, "faults") if args.faults else (), args.replay,
-                           Path(args.out), args.threads, args.example_timeout)
-        else:
-            from harness.mutants import main as mutants_main
+def cmd_fuzz_or_mutants(args) -> int:
+    from harness.plan import parse_csv, parse_world_sizes
 
-            from harness.plan import parse_world_sizes
+    if args.verb == "fuzz":
+        from harness.fuzz import main as fuzz_main
 
-            ok = mutants_main(Path(args.out), args.timeout, parse_csv(args.only, "only") if args.only else None,
-                              parse_world_sizes(args.world_sizes) if args.world_sizes else None)
-    except (ValueError, PlanError) as e:
-        print(f"harness {args.verb}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("harness: interrupted", file=sys.stderr)
-        return EXIT_FAIL
+        ok = fuzz_main(args.world_size, args.max_examples, args.seed,
+                       parse_csv(args.faults, "faults") if args.faults else (), args.replay,
+                       _out_dir(args.out), args.threads, args.example_timeout)
+    else:
+        from harness.mutants import main as mutants_main
+
+        ok = mutants_main(_out_dir(args.out), args.timeout, parse_csv(args.only, "only") if args.only else None,
+                          parse_world_sizes(args.world_sizes) if args.world_sizes else None)
     return EXIT_PASS if ok else EXIT_FAIL
 
 
@@ -257,7 +297,7 @@ def cmd_bench(args) -> int:
     from harness.plan import PlanError, parse_world_sizes
 
     try:
-        cfg = BenchConfig(Path(args.out), parse_world_sizes(args.speed_world_sizes),
+        cfg = BenchConfig(_out_dir(args.out), parse_world_sizes(args.speed_world_sizes),
                           parse_world_sizes(args.memory_world_sizes), args.iters, args.threads,
                           throughput=not args.no_throughput, smoke=args.smoke)
     except (ValueError, PlanError) as e:
@@ -272,50 +312,63 @@ def cmd_bench(args) -> int:
     return EXIT_PASS
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args, extra = build_parser().parse_known_args(argv)
-        if extra and args.verb != "bisect":  # bisect passes every other flag on to each commit's gate
-            raise UsageError(f"harness {args.verb}: unrecognized arguments: {' '.join(extra)}")
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+def _dispatch(argv: list[str]) -> int:
+    args, extra = build_parser().parse_known_args(argv)
+    if extra and args.verb != "bisect":  # bisect passes every other flag on to each commit's gate
+        raise UsageError(f"harness {args.verb}: unrecognized arguments: {' '.join(extra)}")
     if args.verb == "list":
         return cmd_list()
-    if args.verb in ("fuzz", "mutants"):
-        return cmd_fuzz_or_mutants(args)
     if args.verb == "bench":
         return cmd_bench(args)
     if args.verb == "bisect":  # imports nothing of the project: each commit is tested by its own code
-        from harness.bisect import BisectError, bisect
+        from harness.bisect import bisect
 
-        try:
-            return bisect(args.repo, args.good, args.bad, extra, args.out)
-        except BisectError as e:
-            print(f"harness bisect: error: {e}", file=sys.stderr)
-            return EXIT_USAGE
-        except KeyboardInterrupt:
-            print("harness bisect: interrupted (the temporary worktree was removed)", file=sys.stderr)
-            return EXIT_FAIL
-    try:
-        import torch  # noqa: F401
+        return bisect(args.repo, args.good, args.bad, extra, _out_dir(args.out))
+    _import_project(args)
+    if args.verb in ("fuzz", "mutants"):
+        return cmd_fuzz_or_mutants(args)
+    if args.verb == "baseline":
+        return cmd_baseline_record(args)
+    return cmd_run(args, argv)
 
-        import cases.catalog  # noqa: F401
-        import harness.orchestrate  # noqa: F401
-        if "ours" in getattr(args, "impls", "").split(","):
-            import impl  # noqa: F401
-    except Exception as e:  # the project itself does not import: nothing can be tested
-        traceback.print_exc()
-        print(f"harness: cannot test: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_CANNOT_TEST
-    try:
-        if args.verb == "baseline":
-            return cmd_baseline_record(args)
-        return cmd_run(args, argv)
-    except UserError as e:
-        print(f"harness {args.verb}: error: {e}", file=sys.stderr)
+
+def _exit_code(verb: str, e: BaseException) -> int:
+    """The one mapping from an exception that ended a verb to its exit code and one line."""
+    if isinstance(e, UsageError):
+        print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("harness: interrupted", file=sys.stderr)
+    if isinstance(e, UserError):
+        print(f"harness {verb}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(e, OSError) and e.errno in USER_OS_ERRNOS:
+        where = f" {e.filename}" if e.filename else ""
+        print(f"harness {verb}: error: cannot write{where}: {e.strerror}; free space or choose a writable --out",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(e, CannotTest):
+        print(f"harness: cannot test: {e}", file=sys.stderr)
+        return EXIT_CANNOT_TEST
+    if isinstance(e, PoolLost):
+        print(f"harness {verb}: {e}", file=sys.stderr)
         return EXIT_FAIL
+    if isinstance(e, (Stopped, KeyboardInterrupt)):
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        cleaned = " and removed its temporary worktree" if verb == "bisect" else ""
+        print(f"harness {verb}: interrupted by {signal.Signals(signum).name}; stopped every process it "
+              f"started{cleaned}", file=sys.stderr)
+        return 128 + signum
+    raise e
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verb = next((a for a in argv if not a.startswith("-")), "harness")
+    in_main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    handlers = {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS} if in_main_thread else {}
+    try:
+        return _dispatch(argv)
+    except (Exception, KeyboardInterrupt, Stopped, PoolLost) as e:
+        return _exit_code(verb, e)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)

@@ -20,10 +20,12 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from cases.catalog import OptimizerSpec
+from harness.errors import UserError
 from harness.fuzz_check import ExampleResult, run_example
 from harness.fuzz_pool import PoolConfig, RankPool
 from harness.fuzz_spec import MAX_NESTING, BlockSpec, ModelSpec, describe
 from harness.output import OutputDir
+from harness.plan import MAX_CPU_WORLD_SIZE
 
 OPTIMIZERS = (
     OptimizerSpec("sgd", lr=0.05),
@@ -169,18 +171,30 @@ def format_failure(result: ExampleResult) -> str:
 
 def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...], replay: str | None,
          out_dir: Path, threads: int, example_timeout_s: float, progress: bool = True) -> bool:
-    """True when every example passed. Library-level: raises for bad arguments, never exits."""
+    """True when every example passed. Library-level: raises UserError for bad arguments (before
+    any rank starts), PoolLost when the infrastructure took a rank away; never exits."""
     if max_examples < 1:
-        raise ValueError(f"--max-examples={max_examples} must be >= 1")
+        raise UserError(f"--max-examples={max_examples} must be >= 1")
+    if threads < 1:
+        raise UserError(f"--threads={threads} must be >= 1 (intra-op threads per rank)")
+    if not example_timeout_s > 0:
+        raise UserError(f"--example-timeout={example_timeout_s} must be > 0 seconds")
+    if not 1 <= world_size <= MAX_CPU_WORLD_SIZE:
+        raise UserError(f"--world-size={world_size} must be between 1 and {MAX_CPU_WORLD_SIZE} (every rank of the "
+                        f"pool is a process importing torch on this host)")
     if faults:
         from impl import FAULTS
 
         unknown = sorted(set(faults) - set(FAULTS))
         if unknown:
-            raise ValueError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
-    spec = ModelSpec.from_json(replay) if replay else None
+            raise UserError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
+    try:
+        spec = ModelSpec.from_json(replay) if replay else None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"--replay is not a model spec ({type(e).__name__}: {e}); pass the JSON a failing fuzz run "
+                        f"printed after 'replay: ... --replay'") from None
     if spec is not None and spec.world_size != world_size:
-        raise ValueError(f"--replay spec world_size={spec.world_size} != --world-size={world_size}")
+        raise UserError(f"--replay spec world_size={spec.world_size} != --world-size={world_size}")
     config = PoolConfig(world_size, out_dir / "logs", threads=threads, example_timeout_s=example_timeout_s)
     with OutputDir(out_dir, uuid.uuid4().hex, ("logs",)):  # owned and locked: pool logs of one run only
         return _main(config, spec, max_examples, seed, faults, progress)

@@ -4,7 +4,9 @@ Start-up (torchrun, imports, the gloo group) is paid once per pool, not per exam
 and replies travel through a TCPStore the orchestrator hosts (`harness.fuzz_worker` documents
 the keys). A rank that raises, a rank that dies and an example that overruns its timeout all
 become an `ExampleError` carrying the ranks' logs; the pool is then torn down (every process
-of the launch killed, as `harness.launch` does) and started afresh for the next example.
+of the launch killed, as `harness.launch` does) and started afresh for the next example. A rank
+ended by a signal from outside the run (killed, out of memory) is no evidence about the example:
+that raises `PoolLost` instead, which ends the fuzzing with one line.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from harness.errors import PoolLost
 from harness.fuzz_worker import decode, encode
-from harness.launch import LAUNCH_ID_VAR, _read_rank_logs, _signal_all, _processes_with, free_port, kill_launch
+from harness.launch import (EXTERNAL_SIGNALS, _processes_with, _read_rank_logs, _signal_all, child_env, free_port,
+                            kill_launch, root_cause_signal, start_launcher)
 
 POLL_S = 0.25  # checks for a dead or hung pool
 REPLY_POLL_S = 0.001
+LOST_GRACE_S = 5.0  # for torchrun to report a rank killed from outside (see RankPool._fail)
 
 
 class ExampleError(Exception):
@@ -74,20 +80,13 @@ class RankPool:
             "collective_timeout_s": cfg.example_timeout_s, "idle_timeout_s": 24 * 3600,
         }))
         self._launch_id = uuid.uuid4().hex
-        repo_root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ)
-        env.update({
-            "OMP_NUM_THREADS": str(cfg.threads), "MKL_NUM_THREADS": str(cfg.threads),
-            "PYTHONPATH": os.pathsep.join([repo_root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-            LAUNCH_ID_VAR: self._launch_id,
-        })
+        env = child_env(self._launch_id, cfg.threads)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                f"--nproc-per-node={cfg.world_size}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
                f"--log-dir={self._log_dir / 'ranks'}", "--redirects=3",
                "-m", "harness.fuzz_worker", str(config_file)]
         self._launcher_log = open(self._log_dir / "torchrun.log", "wb")
-        self._proc = subprocess.Popen(cmd, env=env, stdout=self._launcher_log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self._proc = start_launcher(cmd, env, self._launcher_log)
         self._next = 0
         self.num_starts += 1
         try:
@@ -146,15 +145,29 @@ class RankPool:
                 return
             time.sleep(POLL_S)
             if self._proc.poll() is not None:
-                text = self._failure_text(f"{what}: torchrun exited {self._proc.returncode}")
-                self._kill()
-                raise ExampleError(text)
+                self._fail(self._failure_text(f"{what}: torchrun exited {self._proc.returncode}"))
             if time.monotonic() > deadline:
                 _signal_all(_processes_with(self._launch_id, also="LOCAL_RANK="), signal.SIGUSR1)
                 time.sleep(1.5)  # the ranks' faulthandler dumps their stacks into the logs
-                text = self._failure_text(f"{what}: no reply after {timeout_s:.0f}s (stacks below)")
-                self._kill()
-                raise ExampleError(text)
+                self._fail(self._failure_text(f"{what}: no reply after {timeout_s:.0f}s (stacks below)"))
+
+    def _fail(self, text: str, grace_s: float = 0.0) -> NoReturn:
+        """Tear the pool down and raise PoolLost when torchrun names a rank ended by a signal from
+        outside the run as the first failure, else ExampleError(text). A rank that replied with
+        an error may be one whose peer was killed: torchrun gets `grace_s` to notice that."""
+        deadline = time.monotonic() + grace_s
+        while self._proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        cause = None
+        if self._proc.poll() is not None:
+            self._launcher_log.flush()
+            cause = root_cause_signal((self._log_dir / "torchrun.log").read_text(errors="replace"))
+        self._kill()
+        if cause is not None and cause[1] in EXTERNAL_SIGNALS:
+            raise PoolLost(f"pool W={self.config.world_size}: rank {cause[0]} was ended by {cause[1]} from outside "
+                           f"the run (killed, or out of memory); no example was judged, so there is no verdict "
+                           f"(rank logs: {self._log_dir})")
+        raise ExampleError(text)
 
     def run(self, request: dict) -> list[dict]:
         """Every rank's reply to one request, in rank order; ExampleError if any rank failed."""
@@ -176,15 +189,13 @@ class RankPool:
             answered = [decode(self._store.get(k)) for k in keys if self._store.check([k])]
             errors = [r["error"] for r in answered if "error" in r]
             if errors:
-                self._kill()
-                raise ExampleError("\n".join(errors))
+                self._fail("\n".join(errors), grace_s=LOST_GRACE_S)
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 self._wait(keys, 0.0, f"request {i}")  # raises with the ranks' logs
         replies = [decode(self._store.get(k)) for k in keys]
         errors = [r["error"] for r in replies if "error" in r]
         if errors:
-            self._kill()
-            raise ExampleError("\n".join(errors))
+            self._fail("\n".join(errors), grace_s=LOST_GRACE_S)
         for k in keys:
             self._store.delete_key(k)
         self._store.delete_key(f"req/{i}")

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from cases.data import local_batch
 from harness.fuzz_spec import ModelSpec, as_case
+from harness import lifeline
 from harness.impls import Ours, RankContext
 from harness.snapshot import _pack, _unpack
 
@@ -87,6 +88,7 @@ def decode(raw: bytes):
 
 
 def main(argv: list[str]) -> int:
+    lifeline.rank_prologue()  # dies with torchrun and with the harness, SIGKILL included
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = json.loads(Path(argv[1]).read_text())

@@ -5,6 +5,8 @@ ranks (the processes that also carry LOCAL_RANK) get SIGUSR1, on which the worke
 dumps every thread's stack into that rank's log; then every process carrying the id is killed.
 The same scan runs after every launch, so no process outlives the run even if torchrun dies
 first (its ranks run in sessions of their own, so killing torchrun's group alone is not enough).
+When the harness itself is killed, torchrun and the ranks end themselves ([Note: No survivors]
+in harness/lifeline.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from harness import lifeline
 from harness.plan import Cell, RunPlan, write_launch_plan
 
 LAUNCH_ID_VAR = "HARNESS_LAUNCH_ID"
@@ -74,8 +77,51 @@ class LaunchResult:
         match = re.search(r"rank\s*:\s*(\d+)", root)
         return int(match.group(1)) if match else None
 
+    def root_cause_signal(self) -> tuple[int, str] | None:
+        return root_cause_signal(self.launcher_output)
+
     def failed_ranks(self) -> list[int]:
         return [log.rank for log in self.rank_logs if _is_informative(log, self.timed_out)]
+
+
+# Signals that come from outside the run (an operator, CI cancellation, the OOM killer): a rank
+# ended by one is lost to the infrastructure, not failed by the implementation.
+EXTERNAL_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP")
+
+
+def root_cause_signal(launcher_output: str) -> tuple[int, str] | None:
+    """(rank, signal name) when torchrun's first observed failure is a rank ended by a signal."""
+    _, _, root = launcher_output.partition("Root Cause (first observed failure)")
+    rank = re.search(r"rank\s*:\s*(\d+)", root)
+    code = re.search(r"exitcode\s*:\s*(-\d+)", root)
+    if not (rank and code):
+        return None
+    try:
+        name = signal.Signals(-int(code.group(1))).name
+    except ValueError:
+        name = f"signal {-int(code.group(1))}"
+    return int(rank.group(1)), name
+
+
+def child_env(launch_id: str, threads: int, extra_pythonpath: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of a launch's torchrun and ranks: pinned threads, the project on the path,
+    the launch marker and the harness process they must die with."""
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env.update({
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "PYTHONPATH": os.pathsep.join([repo_root, *extra_pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        LAUNCH_ID_VAR: launch_id,
+        lifeline.PARENT_VAR: lifeline.token(),
+    })
+    return env
+
+
+def start_launcher(cmd: list[str], env: dict[str, str], log) -> subprocess.Popen:
+    """torchrun in a session of its own (the group kill), dying with this process (SIGKILL included)."""
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=lifeline.child_preexec)
 
 
 def _is_informative(log: RankLog, timed_out: bool) -> bool:
@@ -154,14 +200,7 @@ def launch(
     plan_file = log_dir / "plan.json"
     write_launch_plan(plan_file, plan, world_size, cells)
     launch_id = uuid.uuid4().hex
-    repo_root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env.update({
-        "OMP_NUM_THREADS": str(plan.threads),
-        "MKL_NUM_THREADS": str(plan.threads),
-        "PYTHONPATH": os.pathsep.join([repo_root, *plan.extra_pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        LAUNCH_ID_VAR: launch_id,
-    })
+    env = child_env(launch_id, plan.threads, plan.extra_pythonpath)
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes=1", f"--nproc-per-node={world_size}",
@@ -172,8 +211,7 @@ def launch(
     start = time.monotonic()
     timed_out = False
     with open(log_dir / "torchrun.log", "wb") as launcher_log:
-        proc = subprocess.Popen(cmd, env=env, stdout=launcher_log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = start_launcher(cmd, env, launcher_log)
         try:
             while proc.poll() is None:
                 if time.monotonic() - start > plan.timeout_s:

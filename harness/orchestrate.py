@@ -110,7 +110,7 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
                     break
                 if not unfinished:
                     text = ("every cell of this launch had completed when it failed (a rank raised, hung or exited "
-                            f"non-zero after its last cell, e.g. at exit); its evidence is not judged.\n"
+                            "non-zero after its last cell, e.g. at exit); its evidence is not judged.\n"
                             + result.failure_text())
                     for cell in pending:
                         outcome.errors[cell.cell_id] = text

@@ -119,7 +119,7 @@ def parse_csv(value: str, what: str) -> tuple[str, ...]:
     if not value.strip():
         raise PlanError(f"--{what} is empty")
     if "" in items:
-        raise PlanError(f"--{what}={value} has an empty entry; separate names by single commas, e.g. a,b")
+        raise PlanError(f"--{what}={value} has an empty entry; separate the entries by single commas")
     if len(set(items)) != len(items):
         raise PlanError(f"--{what}={value} repeats an entry")
     return items
@@ -242,6 +242,8 @@ def build_plan(
         Cell(name, REFERENCE_IMPL, 1, "identical", steps or get_case(name).steps, is_reference=True)
         for name in cases if any(c.case == name for c in cells)
     )
+    if str(out_dir).strip() == "":  # Path("") would be the current directory
+        raise PlanError("--out is empty; name a directory (for example --out runs/mine)")
     ids = [c.cell_id for c in references + tuple(cells)]
     assert len(set(ids)) == len(ids), f"cell ids repeat: {sorted(i for i in set(ids) if ids.count(i) > 1)}"
     return RunPlan(tuple(cells), references, Path(out_dir), float(timeout_s), threads, launch_per_cell,

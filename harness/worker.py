@@ -25,6 +25,7 @@ from cases.catalog import Case, OptimizerSpec, get_case
 from cases.data import Batch, local_batch
 from cases.features import PLAIN
 from harness.features import CastCompute, apply_activation_checkpointing, floating_output
+from harness import lifeline
 from harness.impls import Adapter, RankContext, RawShard, resolve_impl
 from harness.plan import Cell
 from harness.snapshot import FORMAT, complete_path, load_state, save_snapshot, snapshot_path, write_atomic_text
@@ -268,6 +269,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
 
 
 def main(argv: list[str]) -> int:
+    lifeline.rank_prologue()  # dies with torchrun and with the harness, SIGKILL included
     faulthandler.enable()
     # On the parent's timeout a hung rank gets SIGUSR1 and dumps every thread's stack to stderr.
     faulthandler.register(signal.SIGUSR1, all_threads=True)

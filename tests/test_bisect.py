@@ -87,8 +87,10 @@ def test_unknown_or_reversed_revisions_are_usage_errors(tmp_path):
     assert rc == 2 and "is not an ancestor of --bad" in out, out
 
 
-def test_ctrl_c_removes_the_worktree_and_stops_the_step(tmp_path):
-    # A stand-in harness whose gate blocks: the bisect is interrupted while it runs.
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_removes_the_worktree_and_stops_the_step(tmp_path, sig):
+    # A stand-in harness whose gate blocks: the bisect is stopped (Ctrl-C, CI cancellation, a
+    # closed terminal) while it runs.
     good, bad = _tiny_repo(tmp_path / "repo", harness_main=(
         "import pathlib, sys, time\n"
         f"pathlib.Path({str(tmp_path / 'started')!r}).write_text('x')\n"
@@ -103,11 +105,37 @@ def test_ctrl_c_removes_the_worktree_and_stops_the_step(tmp_path):
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
         time.sleep(0.1)
     assert len(git(repo, "worktree", "list").splitlines()) == 2  # the temporary worktree exists now
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=90)
-    assert proc.returncode == 1, out
-    assert "interrupted" in out
+    assert proc.returncode == 128 + sig, out  # stopped: neither "bad commit" (1) nor "cannot test" (125)
+    assert f"interrupted by {signal.Signals(sig).name}" in out
     assert repo_state(repo) == before
     assert not list((repo / ".git").glob("worktrees/*"))
     stand_ins = subprocess.run(["pgrep", "-f", str(tmp_path / "out")], capture_output=True, text=True).stdout
     assert not [p for p in stand_ins.split() if int(p) != os.getpid()], "a step outlived the interrupted bisect"
+
+
+def test_a_worktree_left_by_a_killed_bisect_is_pruned_by_the_next(tmp_path):
+    from harness.bisect import OWNER_FILE, TMP_PREFIX
+    from harness.lifeline import token
+
+    good, bad = _tiny_repo(tmp_path / "repo", harness_main=None)
+    repo = tmp_path / "repo"
+    before = repo_state(repo)
+    dead = subprocess.Popen(["true"])
+    dead_token = token(dead.pid)  # read while it exists
+    dead.wait()
+    stale, alive = tmp_path / f"{TMP_PREFIX}stale", tmp_path / f"{TMP_PREFIX}alive"
+    for tmp, owner in ((stale, dead_token), (alive, token())):
+        tmp.mkdir()
+        (tmp / OWNER_FILE).write_text(owner + "\n")
+        git(repo, "worktree", "add", "--detach", str(tmp / "worktree"), bad)
+    rc, out = harness(["bisect", "--repo", str(repo), "--good", "nosuchrev", "--bad", bad,
+                       "--out", str(tmp_path / "out")], cwd=REPO, timeout=60)
+    assert rc == 2, out
+    assert f"removed {stale / 'worktree'}, the worktree of an earlier bisect that was killed" in out, out
+    worktrees = git(repo, "worktree", "list", "--porcelain")
+    assert str(stale) not in worktrees and not stale.exists()
+    assert str(alive / "worktree") in worktrees  # this process owns it: still running, left alone
+    git(repo, "worktree", "remove", "--force", str(alive / "worktree"))
+    assert repo_state(repo) == before
