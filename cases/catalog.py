@@ -7,7 +7,6 @@ sense for it. It imports torch and cases/ only: the harness decides how to run i
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -66,14 +65,11 @@ class Case:
     wrap: tuple[str, ...]  # sub-module paths wrapped before the root, in this order
     make_batch: Callable[[int, int, int], Batch]  # (seed, step, global_batch) -> (inputs, targets)
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a mean over every term
-    terms_per_sample: int  # loss terms one sample contributes (tokens for an LM); see error model
-    extra_accumulation: int  # accumulation length of ops that are not modules (attention matmuls)
     optimizers: tuple[OptimizerSpec, ...]
     steps: int = 5
     global_batch: int = 8
     data_modes: tuple[str, ...] = DATA_MODES
     world_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    tolerance_scale: float = 1.0
     seed: int = 0
     tags: tuple[str, ...] = field(default_factory=tuple)
     features: Features = PLAIN  # the FSDP features the cell turns on (cases/features.py)
@@ -86,9 +82,7 @@ class Case:
         kinds = [o.kind for o in self.optimizers]
         if len(set(kinds)) != len(kinds):
             raise ValueError(f"case={self.name}: optimizer kinds {kinds} must be distinct")
-        for name, value in (("steps", self.steps), ("global_batch", self.global_batch),
-                            ("terms_per_sample", self.terms_per_sample),
-                            ("extra_accumulation", self.extra_accumulation + 1)):
+        for name, value in (("steps", self.steps), ("global_batch", self.global_batch)):
             if value < 1:
                 raise ValueError(f"case={self.name}: {name}={value} must be >= 1")
         bad_modes = sorted(set(self.data_modes) - set(DATA_MODES))
@@ -104,24 +98,6 @@ class Case:
                     f"case={self.name}: global_batch={self.global_batch} does not divide by "
                     f"world sizes {bad} x grad_accum={per} allowed in split mode"
                 )
-        if not self.tolerance_scale >= 1.0:
-            raise ValueError(
-                f"case={self.name}: tolerance_scale={self.tolerance_scale} must be >= 1 (a case may "
-                f"widen the error model for a documented reason, never tighten it below the bound)"
-            )
-
-    def accumulation_length(self) -> int:
-        """Terms a rounding error of one sample's forward and backward can come from (see
-        docs/error_model.md): per Linear in_features (forward dot products) + out_features
-        (backward), per LayerNorm 4 x its size (mean and variance, forward and backward), plus
-        `extra_accumulation` for functional ops such as attention scores."""
-        total = self.extra_accumulation
-        for module in self.build_model().modules():
-            if isinstance(module, nn.Linear):
-                total += module.in_features + module.out_features
-            elif isinstance(module, nn.LayerNorm):
-                total += 4 * math.prod(module.normalized_shape)
-        return total
 
     def optimizer(self, kind: str) -> OptimizerSpec:
         for spec in self.optimizers:
@@ -160,8 +136,6 @@ CASES: dict[str, Case] = {
             wrap=("layers.0", "layers.1", "layers.2"),
             make_batch=regression_batch(_MLP_SIZES[0], _MLP_SIZES[-1]),
             loss_fn=F.mse_loss,
-            terms_per_sample=_MLP_SIZES[-1],
-            extra_accumulation=0,
             optimizers=_STANDARD_OPTIMIZERS,
         ),
         Case(
@@ -171,9 +145,6 @@ CASES: dict[str, Case] = {
             wrap=tuple(f"blocks.{i}" for i in range(_LM_CONFIG.n_layer)),
             make_batch=token_batch(_LM_CONFIG.vocab_size, _LM_CONFIG.block_size),
             loss_fn=lm_loss,
-            terms_per_sample=_LM_CONFIG.block_size,
-            # q @ k^T sums over head_dim, att @ v over block_size; forward and backward, per layer.
-            extra_accumulation=_LM_CONFIG.n_layer * 2 * (_LM_CONFIG.n_embd // _LM_CONFIG.n_head + _LM_CONFIG.block_size),
             optimizers=_STANDARD_OPTIMIZERS,
         ),
     )
@@ -195,8 +166,6 @@ def _lm_case(name: str, description: str, features: Features, config: Transforme
         wrap=wrap if wrap is not None else tuple(f"blocks.{i}" for i in range(config.n_layer)),
         make_batch=token_batch(config.vocab_size, config.block_size),
         loss_fn=lm_loss,
-        terms_per_sample=config.block_size,
-        extra_accumulation=config.n_layer * 2 * (config.n_embd // config.n_head + config.block_size),
         optimizers=optimizers,
         world_sizes=_FEATURE_WORLD_SIZES,
         features=features,
@@ -222,13 +191,11 @@ _FEATURE_CASES = (
     Case(name="frozen_params", description="requires_grad=False weights mixed with trainable biases in one unit",
          build_model=_frozen_mlp, wrap=("layers.0", "layers.1", "layers.2"),
          make_batch=regression_batch(_MLP_SIZES[0], _MLP_SIZES[-1]), loss_fn=F.mse_loss,
-         terms_per_sample=_MLP_SIZES[-1], extra_accumulation=0, optimizers=_STANDARD_OPTIMIZERS,
-         world_sizes=_FEATURE_WORLD_SIZES),
+         optimizers=_STANDARD_OPTIMIZERS, world_sizes=_FEATURE_WORLD_SIZES),
     Case(name="uneven_tiny", description=f"MLP{_TINY_SIZES}: size-1 weights, flat parameters smaller than W, "
          "empty local shards", build_model=_tiny_mlp, wrap=("layers.0", "layers.1"),
          make_batch=regression_batch(_TINY_SIZES[0], _TINY_SIZES[-1]), loss_fn=F.mse_loss,
-         terms_per_sample=_TINY_SIZES[-1], extra_accumulation=0, optimizers=_STANDARD_OPTIMIZERS,
-         world_sizes=(1, 2, 4, 8)),
+         optimizers=_STANDARD_OPTIMIZERS, world_sizes=(1, 2, 4, 8)),
     _lm_case("meta_init", "built on the meta device, materialised per unit by reset_parameters(), then "
              "loaded from the reference state", Features(meta_init=True)),
     _lm_case("reshard_after_forward_false", "ZeRO-2 / SHARD_GRAD_OP: parameters stay unsharded from forward "

@@ -48,7 +48,7 @@ from cases.catalog import get_case
 from harness.evidence import check_snapshot_evidence, model_parameters
 from harness.plan import PlanError, RunPlan
 from harness.snapshot import load_snapshot, snapshot_path, write_atomic_text
-from harness.tolerance import SAFETY_FACTOR, ErrorModel, OptimizerErrorState
+from harness.diff import StepBounds
 
 FORMAT = "fsdp-equiv-baseline/1"
 KEY_FIELDS = ("torch", "backend", "device", "threads")
@@ -293,20 +293,13 @@ class BaselineResult:
 
 def _step_tolerances(snap: dict):
     """Per step: (loss tol, {name: grad tol}, {name: param tol}) of the error model, elementwise,
-    from the run's shadow: the same tolerances the gate's per-step checks use (harness/diff.py)."""
+    from the run's shadow: the same tolerances the gate's per-step checks use (harness/diff.py).
+    The loss is exact: the reference replays the same local computation."""
     case = get_case(snap["cell"]["case"])
-    spec = case.optimizer(snap["optimizer"])
-    model = ErrorModel(case.global_batch * case.terms_per_sample + case.accumulation_length(), case.tolerance_scale)
-    opt_state = OptimizerErrorState(spec, model.u)
+    bounds = StepBounds(case, case.optimizer(snap["optimizer"]), int(snap["world_size"]))
     for rec in snap["steps"]:
-        shadow = rec["shadow"]
-        grad_tols, param_tols = {}, {}
-        for name in rec["grads"]:
-            gbound = model.grad_bound(shadow["abs_grads"][name], shadow["grads"][name])
-            pbound = opt_state.param_bound(name, rec["step"], gbound, shadow["grads"][name], shadow["params"][name],
-                                           shadow["state"].get(name, {}))
-            grad_tols[name], param_tols[name] = SAFETY_FACTOR * gbound, SAFETY_FACTOR * pbound
-        yield SAFETY_FACTOR * model.loss_bound(shadow["loss"].double().item()), grad_tols, param_tols
+        grad_tols, param_tols = bounds.step(rec["step"], rec["shadow"])
+        yield 0.0, grad_tols, param_tols
 
 
 def within(actual: float, expected: float, tol: float) -> bool:

@@ -75,7 +75,7 @@ def check_snapshot_evidence(snap: dict, cell: Cell, optimizer: str, run_id: str,
         _shapes(f"step {step}: parameter", rec["params"], sizes)
         _names(f"step {step}: gradients", rec.get("grads"), grad_names)
         _shapes(f"step {step}: gradient", rec["grads"], sizes)
-        for key in ("shards", "shard_grads", "padding_intervals", "shadow"):
+        for key in ("shards", "shard_grads", "padding_intervals", "shadow", "replicas"):
             if not isinstance(rec.get(key), dict):
                 raise EvidenceError(f"step {step}: {key} is missing")
 

@@ -95,6 +95,7 @@ def _model_specs(draw, world_size: int) -> ModelSpec:
         steps=draw(st.integers(2, 3)),
         batch_per_rank=accumulation * draw(st.integers(1, 2)),
         accumulation=accumulation,
+        sync_every_micro=draw(st.booleans()),
         data_mode=data_mode,
         seed=draw(st.integers(0, 2**16)),
     )

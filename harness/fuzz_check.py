@@ -18,7 +18,7 @@ from harness.fuzz_pool import ExampleError, RankPool
 from harness.fuzz_spec import ModelSpec, as_case, init_state
 from harness.plan import Cell
 from harness.snapshot import FORMAT
-from harness.worker import Shadow
+from harness.shadow import Shadow
 
 
 @dataclass
@@ -81,7 +81,7 @@ def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[di
     padding_intervals = {key: [lay["padding_intervals"][key] for lay in rank_layouts]
                          for key in rank_layouts[0]["padding_intervals"]}
 
-    shadow = Shadow(case, spec.optimizer, init)
+    shadow = Shadow(case, spec.optimizer, init, num_micro=spec.accumulation)
     steps, params_before = [], full(stack([r["init"] for r in replies]))
     for t in range(spec.steps):
         shards = stack([r["data"][t] for r in replies])
@@ -91,7 +91,9 @@ def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[di
         steps.append({"step": t + 1, "loss": torch.stack([r["loss"][t] for r in replies]),
                       "grads": full(shard_grads), "params": params, "shards": shards,
                       "shard_grads": shard_grads, "padding_intervals": padding_intervals,
-                      "shadow": shadow.step(params_before, batch)})
+                      # Full tensors are assembled from one set of shards here: no replicas to compare.
+                      "replicas": None,
+                      "shadow": shadow.step(params_before, batch, spec.data_mode, spec.world_size)})
         params_before = params
     cell = Cell("fuzz", "ours", spec.world_size, spec.data_mode, spec.steps, faults=tuple(sorted(faults)))
     return {"format": FORMAT, "cell": cell.to_json(), "optimizer": spec.optimizer.kind,

@@ -62,7 +62,8 @@ class ModelSpec:
     optimizer: OptimizerSpec
     steps: int = 2
     batch_per_rank: int = 2  # global batch = world_size * batch_per_rank
-    accumulation: int = 1  # micro-batches per step (each a synced backward)
+    accumulation: int = 1  # micro-batches per step
+    sync_every_micro: bool = True  # reduce every micro-batch's gradient; False: only the last one's
     data_mode: str = "split"
     seed: int = 0
 
@@ -182,15 +183,6 @@ def init_state(spec: ModelSpec) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _aux_terms(blocks) -> int:
-    total = 0
-    for block in blocks:
-        while block is not None:
-            total += block.aux_numel
-            block = block.inner
-    return total
-
-
 def as_case(spec: ModelSpec) -> Case:
     """The spec as a catalog-style Case (never registered): what the shadow and the checks read."""
     return Case(
@@ -200,8 +192,6 @@ def as_case(spec: ModelSpec) -> Case:
         wrap=wrap_paths(spec),
         make_batch=regression_batch(spec.in_features, spec.out_features),
         loss_fn=F.mse_loss,
-        terms_per_sample=spec.out_features,
-        extra_accumulation=_aux_terms(spec.blocks) + spec.accumulation,  # aux means; micro-batch sums
         optimizers=(spec.optimizer,),
         steps=spec.steps,
         global_batch=spec.global_batch,

@@ -27,6 +27,7 @@ from cases.data import local_batch
 from harness.fuzz_spec import ModelSpec, as_case
 from harness import lifeline
 from harness.impls import Ours, RankContext
+from harness.shadow import forward_backward
 from harness.snapshot import _pack, _unpack
 
 
@@ -60,11 +61,10 @@ def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.T
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = local_batch(batch, spec.data_mode, ctx.rank, ctx.world_size)
         optim.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(())
-        for x, y in zip(inputs.chunk(spec.accumulation), targets.chunk(spec.accumulation)):
-            loss = case.loss_fn(wrapped(x), y) / spec.accumulation
-            loss.backward()
-            loss_sum += loss.detach()
+        m = spec.accumulation
+        sync_all = spec.sync_every_micro or m == 1
+        before = None if sync_all else (lambda i: wrapped.set_requires_gradient_sync(i == m - 1))
+        loss_sum = forward_backward(wrapped, case.loss_fn, inputs, targets, m, before_micro=before)
         _, grads = _shards(wrapped)
         optim.step()
         data, _ = _shards(wrapped)

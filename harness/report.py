@@ -22,7 +22,7 @@ import torch
 
 from cases.catalog import get_case
 from harness.orchestrate import RunOutcome
-from harness.tolerance import SAFETY_FACTOR, ErrorModel
+from harness.tolerance import TRAJECTORY_FACTOR
 from harness.verdict import CellResult, Matrix
 
 
@@ -125,6 +125,12 @@ def summary_json(report: Report) -> dict:
         row["faults"] = list(r.cell.faults)
         row["optimizers"] = sorted(r.optimizers)
         row["violations"] = [v.to_json() for v in r.violations[:50]]
+        # Every check's evidence, whatever the 50 above cut off: what it compared and what failed.
+        row["checks"] = {o.optimizer: o.checks for o in r.optimizers.values()}
+        row["failed_checks"] = {}
+        for v in r.violations:
+            entry = row["failed_checks"].setdefault(v.check, {"violations": 0, "first": v.describe(r.cell.cell_id)})
+            entry["violations"] += 1
         row["error"] = r.error
         cells.append(row)
     return json_safe({
@@ -137,7 +143,7 @@ def summary_json(report: Report) -> dict:
         "environment": report.environment,
         "command": report.command,
         "wall_s": round(report.wall_s, 2),
-        "safety_factor": SAFETY_FACTOR,
+        "trajectory_factor": TRAJECTORY_FACTOR,
     })
 
 
@@ -146,17 +152,25 @@ def _md_table(rows: list[dict]) -> str:
 
 
 def _error_model_rows(report: Report) -> list[dict]:
-    rows = []
-    for name in sorted({r.cell.case for r in report.cells}):
-        case = get_case(name)
-        n_batch = case.global_batch * case.terms_per_sample
-        model = ErrorModel(n_batch + case.accumulation_length(), case.tolerance_scale)
-        for spec in case.optimizers:
-            rows.append({"case": name, "optimizer": spec.kind, "lr": spec.lr, "momentum": spec.momentum,
-                         "betas": str(spec.betas) if spec.kind == "adamw" else "", "eps": spec.eps if spec.kind == "adamw" else "",
-                         "weight_decay": spec.weight_decay, "n = batch terms + accumulation": f"{n_batch} + {case.accumulation_length()}",
-                         "u (fp32)": f"{model.u:.3g}", "tolerance_scale": case.tolerance_scale, "safety_factor": SAFETY_FACTOR})
-    return rows
+    """Per case, optimizer and check over its cells: the unit roundoff behind the tolerance, the
+    elements compared, tolerance / |value| (largest median and max) and the largest margin."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in report.cells:
+        for opt in r.optimizers.values():
+            for check, st in opt.checks.items():
+                groups.setdefault((r.cell.case, opt.optimizer, check), []).append(st)
+
+    def worst(values):
+        values = [v for v in values if v is not None]
+        return max(values) if values else None
+
+    return [{"case": case, "optimizer": opt, "check": check,
+             "u": ", ".join(sorted({f"{st['u']:.3g}" for st in sts})) if any(st["u"] for st in sts) else "exact",
+             "elements": sum(st["elements"] for st in sts),
+             "tol/|value| median (worst cell)": _fmt(worst(st["tol_over_value_median"] for st in sts)),
+             "tol/|value| max": _fmt(worst(st["tol_over_value_max"] for st in sts)),
+             "margin (worst cell)": _fmt(worst(st["margin"] for st in sts))}
+            for (case, opt, check), sts in sorted(groups.items())]
 
 
 def render_markdown(report: Report) -> str:
@@ -211,10 +225,11 @@ def render_markdown(report: Report) -> str:
         rows = [{"W": a, **{b: _fmt(v) for b, v in zip(m.labels, vals)}} for a, vals in zip(m.labels, m.values)]
         out.append(_md_table(rows) + "\n")
     out.append("## Tolerances used\n")
-    out.append(f"Per element: grad tol = {SAFETY_FACTOR:g} x s x (2 n u A + u |g|), loss tol = {SAFETY_FACTOR:g} x s x 2 n u |L|, "
-               "param tol = the gradient bound pushed through the optimizer with the shadow's state, x "
-               f"{SAFETY_FACTOR:g}; initial parameters and padding exact. A = mean |per-sample gradient|, "
-               "u = unit roundoff, s = tolerance_scale. See docs/error_model.md.\n")
+    out.append("Loss, init, replicas and padding are exact. Per element: grad tol = gamma_n(u) x sum|local "
+               "term| / W with n = W x M + 2 (+1 for a cast into the reduce dtype), u the unit roundoff of the "
+               "reduce dtype; param tol = that bound pushed through clipping and the optimizer with the shadow's "
+               f"state; trajectory tol = {TRAJECTORY_FACTOR:g} x the perturbed references' deviation. "
+               "See docs/error_model.md.\n")
     out.append(_md_table(_error_model_rows(report)) + "\n")
     out.append("## Environment\n")
     out.append(_md_table([{"key": k, "value": v} for k, v in report.environment.items()]) + "\n")

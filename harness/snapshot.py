@@ -16,15 +16,21 @@ accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is 
                 "shards": {key: (W, shard_numel)},     # raw local shards (padding included)
                 "shard_grads": {key: (W, shard_numel)},
                 "padding_intervals": {key: [[[start, end], ...] per rank]},  # shard-local
-                "shadow": {"loss": () tensor, "grads": {...}, "abs_grads": {...},
-                           "params": {...}, "state": {name: {state key: tensor}}}}]}
+                "replicas": {"names": [param names, then "<name> (grad)"],
+                             "digests": (W, len(names)) int64},  # 52-bit digest per rank
+                "shadow": {"loss": (W,) tensor,              # each rank's replayed local loss
+                           "grads": {...} float64,           # exact mean of the local terms
+                           "abs_grads": {...} float64,       # sum |local term| / W
+                           "params": {...}, "state": {name: {state key: tensor}}}}],
+     "perturbed": [[{name: tensor} per step] per run]}  # reference cells only
 
 On disk, every dict whose values are tensors of one dtype is packed into
 {"__packed_tensors__": True, "names", "sizes", "data": one flat tensor}; load_snapshot unpacks.
 
-The shadow is the plain model, on rank 0, stepped from this cell's own parameters of the
-previous step on the global batch: the per-step reference of the error model
-(docs/error_model.md). `abs_grads` is mean over samples of |per-sample gradient|.
+The shadow (harness/shadow.py) replays, on rank 0 with the plain model, every rank's local
+forward/backward from this cell's own parameters of the previous step: the per-step reference
+of the error model (docs/error_model.md). The perturbed runs of a reference cell are its
+trajectory envelope.
 """
 
 from __future__ import annotations

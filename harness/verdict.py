@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cases.catalog import get_case
-from harness.diff import DiffStats, OptimizerResult, Violation, check_snapshot, flat
+from harness.diff import DiffStats, OptimizerResult, ReferenceDiverged, Violation, check_snapshot, flat
 from harness.evidence import EvidenceError, check_same_steps, check_snapshot_evidence, model_parameters
 from harness.orchestrate import RunOutcome
 from harness.plan import Cell, RunPlan
@@ -128,10 +128,15 @@ def evaluate(plan: RunPlan, outcome: RunOutcome) -> tuple[list[CellResult], list
         for kind, snap in loaded.items():
             ref = snapshots.get((ref_cell.cell_id, kind))
             try:
-                result.optimizers[kind] = check_snapshot(snap, {n: init_state[n] for n in snap["init"]["params"]}, ref)
+                opt = check_snapshot(snap, {n: init_state[n] for n in snap["init"]["params"]}, ref)
+            except ReferenceDiverged as e:
+                return CellResult(cell, "error", error=f"optimizer={kind}: {e}")
             except Exception:
                 return CellResult(cell, "error", error=f"the checks of optimizer={kind} raised "
                                                        f"(no verdict):\n{traceback.format_exc()}")
+            if opt.error is not None:
+                return CellResult(cell, "error", optimizers={kind: opt}, error=f"optimizer={kind}: {opt.error}")
+            result.optimizers[kind] = opt
         for kind, snap in loaded.items():
             snapshots[(cell.cell_id, kind)] = snap
         if result.violations:

@@ -9,6 +9,7 @@ variables it reads are torchrun's own (RANK, WORLD_SIZE, MASTER_*).
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import json
 import os
 import signal
@@ -19,69 +20,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
 from cases.catalog import Case, OptimizerSpec, get_case
 from cases.data import Batch, local_batch
 from cases.features import PLAIN
-from harness.features import CastCompute, apply_activation_checkpointing, floating_output
 from harness import lifeline
+from harness.features import apply_activation_checkpointing
 from harness.impls import Adapter, RankContext, RawShard, resolve_impl
 from harness.plan import Cell
+from harness.shadow import Shadow, forward_backward
 from harness.snapshot import FORMAT, complete_path, load_state, save_snapshot, snapshot_path, write_atomic_text
-
-
-class Shadow:
-    """The plain model and optimizer, stepped each step from the cell's own previous parameters
-    on the global batch: what the unsharded run would have done from exactly where the cell was.
-    See docs/error_model.md."""
-
-    def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
-                 device: torch.device = torch.device("cpu")) -> None:
-        self.case = case
-        features = case.features
-        plain = case.build_model()
-        plain.load_state_dict(init_state)
-        plain.to(device)
-        self.params = dict(plain.named_parameters())
-        # Mixed precision: the shadow computes the way the policy does (harness/features.py).
-        self.model = CastCompute(plain, features.compute_dtype) if features.mixed_precision else plain
-        self.optim = spec.build(self.params.values())
-        self.clip = (features.clip_max_norm, features.clip_norm_type) if features.clip_norm_type else None
-
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.case.loss_fn(floating_output(self.model(inputs)), targets)
-
-    def step(self, params_before: dict[str, torch.Tensor], batch: Batch) -> dict:
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(params_before[name])
-        inputs, targets = batch
-        num_samples = inputs.size(0)
-        abs_grads = {n: torch.zeros_like(p) for n, p in self.params.items()}
-        for b in range(num_samples):  # per-sample gradients: the terms the batch mean sums
-            self.model.zero_grad(set_to_none=True)
-            self.loss(inputs[b : b + 1], targets[b : b + 1]).backward()
-            for n, p in self.params.items():
-                if p.grad is not None:
-                    abs_grads[n] += p.grad.abs()
-        self.optim.zero_grad(set_to_none=True)
-        loss = self.loss(inputs, targets)
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
-        if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.params.values()), *self.clip)
-        self.optim.step()
-        return {
-            "loss": loss.detach().clone(),
-            "grads": grads,
-            "abs_grads": {n: a / num_samples for n, a in abs_grads.items()},
-            "params": {n: p.detach().clone() for n, p in self.params.items()},
-            "state": {
-                n: {k: v.detach().clone() for k, v in self.optim.state[p].items() if isinstance(v, torch.Tensor)}
-                for n, p in self.params.items()
-            },
-        }
+from harness.tolerance import NUM_PERTURBED_RUNS
 
 
 def _pick(tensors: dict[str, torch.Tensor], names: list[str], what: str, ctx: RankContext, cell: Cell) -> dict:
@@ -104,7 +53,7 @@ def _all_gather_rows(t: torch.Tensor, ctx: RankContext) -> torch.Tensor:
     return out.view(ctx.world_size, -1)
 
 
-def _gather_step_evidence(loss: torch.Tensor, raws: list[RawShard], ctx: RankContext):
+def _gather_step_evidence(loss: torch.Tensor, raws: list[RawShard], digests: list[int], ctx: RankContext):
     """Every rank's loss and raw shards (data, grad, padding intervals) in two all-gathers: with 8
     ranks on 2 cores each collective costs milliseconds, and a step has dozens of shards.
 
@@ -114,7 +63,7 @@ def _gather_step_evidence(loss: torch.Tensor, raws: list[RawShard], ctx: RankCon
     """
     counts = torch.tensor([len(raw.padding_intervals) for raw in raws], dtype=torch.float64, device=loss.device)
     capacity = _all_gather_rows(counts, ctx).amax(dim=0).long().tolist() if raws else []
-    parts = [loss.detach().double().reshape(1)]
+    parts = [loss.detach().double().reshape(1), torch.tensor(digests, dtype=torch.float64, device=loss.device)]
     for raw, cap in zip(raws, capacity):
         intervals = list(raw.padding_intervals) + [(0, 0)] * (cap - len(raw.padding_intervals))
         parts += [raw.data.double(), torch.tensor(intervals, dtype=torch.float64, device=loss.device).reshape(-1)]
@@ -122,7 +71,8 @@ def _gather_step_evidence(loss: torch.Tensor, raws: list[RawShard], ctx: RankCon
             parts.append(raw.grad.double())
     rows = _all_gather_rows(torch.cat(parts), ctx).cpu()  # (W, n); fp32 values are exact in fp64
     losses = rows[:, 0].to(loss.dtype)
-    shards, shard_grads, padding_intervals, at = {}, {}, {}, 1
+    replica_digests = rows[:, 1 : 1 + len(digests)].long()
+    shards, shard_grads, padding_intervals, at = {}, {}, {}, 1 + len(digests)
     for raw, cap in zip(raws, capacity):
         n = raw.data.numel()
         shards[raw.key] = rows[:, at : at + n].to(raw.data.dtype)
@@ -132,7 +82,7 @@ def _gather_step_evidence(loss: torch.Tensor, raws: list[RawShard], ctx: RankCon
         if raw.grad is not None:
             shard_grads[raw.key] = rows[:, at : at + n].to(raw.grad.dtype)
             at += n
-    return losses, shards, shard_grads, padding_intervals
+    return losses, replica_digests, shards, shard_grads, padding_intervals
 
 
 def _check_refused_wrap(case: Case, adapter: Adapter, ctx: RankContext) -> None:
@@ -167,23 +117,18 @@ def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, cell: Cell, i
     return wrapped
 
 
-def _backward(case: Case, adapter: Adapter, wrapped: nn.Module, inputs, targets) -> torch.Tensor:
-    """One step's forward and backward; with grad_accum, micro-batches with sync on the last."""
+def _backward(case: Case, wrapped: nn.Module, inputs, targets) -> torch.Tensor:
+    """One step's forward and backward; with grad_accum, gradient sync only on the last micro-batch."""
     num_micro = case.features.grad_accum
-    if num_micro == 1:
-        loss = case.loss_fn(floating_output(wrapped(inputs)), targets)
-        loss.backward()
-        return loss.detach()
-    total = torch.zeros(())
-    pieces = list(zip(inputs.chunk(num_micro), targets.chunk(num_micro)))
     set_sync = getattr(wrapped, "set_requires_gradient_sync", None)  # the plain model has nothing to sync
-    for i, (x, y) in enumerate(pieces):
-        if set_sync is not None:
-            set_sync(i == num_micro - 1)
-        loss = case.loss_fn(floating_output(wrapped(x)), y) / num_micro
-        loss.backward()
-        total += loss.detach()
-    return total
+    before = (lambda i: set_sync(i == num_micro - 1)) if set_sync is not None and num_micro > 1 else None
+    return forward_backward(wrapped, case.loss_fn, inputs, targets, num_micro, before_micro=before)
+
+
+def digest(t: torch.Tensor) -> int:
+    """A 52-bit digest of a tensor's bytes (exact in float64): equal digests, equal bits."""
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 52) - 1)
 
 
 def _full_state_roundtrip(adapter: Adapter, wrapped: nn.Module, case: Case, cell: Cell, ctx: RankContext,
@@ -230,7 +175,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = (t.to(ctx.device) for t in local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size))
         optim.zero_grad(set_to_none=True)
-        loss = _backward(case, adapter, wrapped, inputs, targets)
+        loss = _backward(case, wrapped, inputs, targets)
         grads = _pick(adapter.full_grads(wrapped), grad_names, "full_grads", ctx, cell)
         if features.clip_norm_type is not None:
             clip = getattr(adapter, "clip_grad_norm", None)
@@ -240,12 +185,15 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                 torch.nn.utils.clip_grad_norm_(wrapped.parameters(), features.clip_max_norm, features.clip_norm_type)
         optim.step()
         params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
-        losses, shards, shard_grads, padding_intervals = _gather_step_evidence(loss, adapter.raw_shards(wrapped), ctx)
+        # Every rank's full parameters and gradients, digested: replicas must agree bitwise.
+        digests = [digest(params[n]) for n in names] + [digest(grads[n]) for n in grad_names]
+        losses, replica_digests, shards, shard_grads, padding_intervals = _gather_step_evidence(
+            loss, adapter.raw_shards(wrapped), digests, ctx)
         record = {"step": step, "loss": losses, "grads": grads, "params": params, "shards": shards,
-                  "shard_grads": shard_grads, "padding_intervals": padding_intervals}
+                  "shard_grads": shard_grads, "padding_intervals": padding_intervals,
+                  "replicas": {"names": names + [f"{n} (grad)" for n in grad_names], "digests": replica_digests}}
         if shadow is not None:
-            record["shadow"] = tree_map(lambda t: t.cpu() if torch.is_tensor(t) else t,
-                                        shadow.step(params_before, tuple(t.to(ctx.device) for t in batch)))
+            record["shadow"] = shadow.step(params_before, batch, cell.data_mode, ctx.world_size)
         steps.append(record)
         params_before = params
         if step in reshard_steps:
@@ -257,7 +205,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         _full_state_roundtrip(adapter, wrapped, case, cell, ctx, init_state, scratch_dir / f"{cell.cell_id}.{spec.kind}")
     if not is_writer:
         return None
-    return {
+    snapshot = {
         "format": FORMAT,
         "cell": cell.to_json(),
         "optimizer": spec.kind,
@@ -266,6 +214,25 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         "init": {"params": init_params},
         "steps": steps,
     }
+    if cell.is_reference:
+        snapshot["perturbed"] = [perturbed_run(case, spec, init_state, cell.steps, seed, ctx.device)
+                                 for seed in range(1, NUM_PERTURBED_RUNS + 1)]
+    return snapshot
+
+
+def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], num_steps: int,
+                  seed: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """The reference run with honest-sized noise added to every step's gradient: its deviation
+    from the reference is the envelope the trajectory check scales (docs/error_model.md)."""
+    shadow = Shadow(case, spec, init_state, device)
+    generator = torch.Generator().manual_seed(seed)
+    params = {n: p.detach().cpu().clone() for n, p in shadow.params.items()}
+    out = []
+    for step in range(1, num_steps + 1):
+        batch = case.make_batch(case.seed, step, case.global_batch)
+        params = shadow.step(params, batch, "identical", 1, perturb=generator)["params"]
+        out.append(params)
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -279,6 +246,11 @@ def main(argv: list[str]) -> int:
     if plan.get("device", "cpu") == "cuda":  # one rank per GPU of this node
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
+        # The shadow replays each rank's local computation bitwise (docs/error_model.md): kernels
+        # must not depend on atomics or autotuning.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     dist.init_process_group(backend)
     world = RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, device)
     if world.world_size != plan["world_size"]:

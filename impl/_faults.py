@@ -18,7 +18,14 @@ FAULTS: dict[str, str] = {
     "no_regather_before_backward": "reshard after forward zeroes the buffer and backward never re-gathers",
     "tied_param_duplicated": "a parameter with two names gets two slots, as if in two flat parameters",
     "grad_accum_overwrite": "a second backward overwrites the sharded gradient instead of adding to it",
+    "grad_scale_1e-5": "every reduced gradient shard is scaled by (1 + 1e-5): a small systematic error",
+    "grad_scale_1e-6": "every reduced gradient shard is scaled by (1 + 1e-6): a slow drift",
+    "master_lost_to_param_dtype": "mixed precision: the fp32 master shard is overwritten by its param_dtype "
+                                  "rounding at every all-gather",
+    "replica_grad_drift": "HSDP / NO_SHARD: the second replica's gradient is scaled by (1 + 1e-3), so the "
+                          "replicas drift apart",
 }
+GRAD_SCALE_FAULTS = {"grad_scale_1e-5": 1e-5, "grad_scale_1e-6": 1e-6}
 
 
 def validate_faults(faults: frozenset[str]) -> frozenset[str]:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from impl._faults import GRAD_SCALE_FAULTS
 from impl._collectives import CommStats, all_gather_into, all_reduce_sum, reduce_scatter_sum
 from impl._flat_param import FlatLayout, flatten_padded, shard_of, unflatten_views, zero_padding_
 
@@ -164,6 +165,9 @@ class FlatParamHandle:
             sharded = self.sharded.detach()
             if sharded.dtype != leaf.dtype or sharded.device != leaf.device:
                 sharded = sharded.to(device=leaf.device, dtype=leaf.dtype)
+                if "master_lost_to_param_dtype" in self.comm.faults:
+                    with torch.no_grad():
+                        self.sharded.copy_(sharded.to(self.sharded.dtype))
             work = all_gather_into(leaf.data, sharded, self.comm.shard_group, self.comm.stats, async_op)
         self._pending = (work, sharded)  # keeps the input alive until the gather completes
         if not (async_op and work is not None):
@@ -225,6 +229,11 @@ class FlatParamHandle:
             all_reduce_sum(sharded_grad, c.replicate_group, c.stats)
         if "no_grad_average" not in c.faults and c.data_parallel_size > 1:
             sharded_grad.div_(c.data_parallel_size)
+        for fault in c.faults & GRAD_SCALE_FAULTS.keys():
+            sharded_grad.mul_(1 + GRAD_SCALE_FAULTS[fault])
+        if ("replica_grad_drift" in c.faults and c.replicate_group is not None
+                and dist.get_rank(c.replicate_group) == 1):
+            sharded_grad.mul_(1 + 1e-3)
         if "drop_last_rank_grad" in c.faults and c.shard_rank == c.shard_world_size - 1:
             sharded_grad.zero_()
         padding = self.layout.local_padding_intervals(c.shard_rank)

@@ -96,7 +96,29 @@ class HangAtExitOnRank1(Ours):
         return super().wrap(model, wrap_paths, ctx, faults)
 
 
+
+class DriftOneUlpPerStep(Ours):
+    """ours, except that every optimizer step also moves every non-zero parameter element one ulp
+    up. That stays within each step's tolerance (two ulps of the final rounding) and the next step
+    starts from the drifted parameters, so only the trajectory check can see it."""
+
+    name = "drift_one_ulp_per_step"
+
+    def build_optimizer(self, model, spec, features):
+        optim = super().build_optimizer(model, spec, features)
+
+        def nudge(opt, args, kwargs):
+            with torch.no_grad():
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        up = torch.nextafter(p, torch.full_like(p, float("inf")))
+                        p.copy_(torch.where(p != 0, up, p))  # padding stays zero
+
+        optim.register_step_post_hook(nudge)
+        return optim
+
+
 def test_plugins_satisfy_the_adapter_protocol():
     for cls in (CorruptGatheredElement, RaiseOnRank1, HangOnRank1, RaiseInDestroyOnRank1, ExitNonZeroAtExitOnRank1,
-                HangAtExitOnRank1):
+                HangAtExitOnRank1, DriftOneUlpPerStep):
         assert isinstance(cls(), Adapter), cls

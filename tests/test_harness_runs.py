@@ -112,6 +112,64 @@ def test_sum_without_average_fails_every_cell_with_sgd_and_adamw(no_grad_average
     assert "optimizer=sgd" in junit and "optimizer=adamw" in junit
 
 
+def _failing_checks(run: dict) -> dict[str, str]:
+    """cell id -> the check of its first divergence (every cell must have failed)."""
+    cells = _cells(run)
+    assert cells and run["rc"] == 1, run["output"][-3000:]
+    out = {}
+    for cell_id, cell in cells.items():
+        assert cell["verdict"] == "fail", (cell_id, cell["error"])
+        out[cell_id] = cell["first_divergence"]["check"]
+    return out
+
+
+# Planted errors the error model must catch (docs/error_model.md): each run's cells all fail, on
+# the check that names the error; the ids also prove every requested cell ran.
+PLANTED = {
+    "scale-1e-6-identical": (["--cases", "mlp", "--world-sizes", "2,8", "--data", "identical", "--steps", "1",
+                              "--faults", "grad_scale_1e-6"], "grad",
+                             {"mlp.ours.w2.identical.grad_scale_1e-6", "mlp.ours.w8.identical.grad_scale_1e-6"}),
+    "scale-1e-5-split": (["--cases", "mlp,transformer", "--world-sizes", "2,4", "--data", "split", "--steps", "1",
+                          "--faults", "grad_scale_1e-5"], "grad",
+                         {f"{c}.ours.w{w}.split.grad_scale_1e-5" for c in ("mlp", "transformer") for w in (2, 4)}),
+    "replica-drift": (["--cases", "no_shard", "--world-sizes", "2", "--data", "split", "--steps", "1",
+                       "--faults", "replica_grad_drift"], "replicas", {"no_shard.ours.w2.split.replica_grad_drift"}),
+    "lost-master": (["--cases", "mixed_precision", "--world-sizes", "2", "--data", "split", "--steps", "1",
+                     "--faults", "master_lost_to_param_dtype"], "param",
+                    {"mixed_precision.ours.w2.split.master_lost_to_param_dtype"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PLANTED))
+def test_planted_error_is_caught_by_its_check(tmp_path_factory, name):
+    args, check, expected_ids = PLANTED[name]
+    run = _shared_run(tmp_path_factory, f"planted-{name}", ["run", "--impls", "ours", *args])
+    checks = _failing_checks(run)
+    assert set(checks) == expected_ids, sorted(checks)
+    assert set(checks.values()) == {check}, checks
+
+
+@pytest.mark.slow
+def test_a_drift_every_step_hides_fails_on_the_trajectory_and_the_honest_twin_passes(tmp_path_factory):
+    run = _shared_run(tmp_path_factory, "drift", [
+        "run", "--cases", "mlp", "--impls", f"ours,{PLUGINS}:DriftOneUlpPerStep", "--world-sizes", "2",
+        "--data", "split", "--steps", "12"])
+    cells = _cells(run)
+    assert set(cells) == {"mlp.ours.w2.split", "mlp.drift_one_ulp_per_step.w2.split"} or \
+        set(cells) == {"mlp.ours.w2.split", "mlp.DriftOneUlpPerStep.w2.split"}, sorted(cells)
+    honest = cells["mlp.ours.w2.split"]
+    assert honest["verdict"] == "pass", honest["first_divergence_text"] or honest["error"]
+    drift = next(c for i, c in cells.items() if i != "mlp.ours.w2.split")
+    assert drift["verdict"] == "fail", drift["error"]
+    assert set(drift["failed_checks"]) == {"trajectory"}, drift["failed_checks"]
+    # Every check compared something at every optimizer, and the drift passed each step's checks.
+    for opt, checks in drift["checks"].items():
+        for check in ("init", "loss", "grad", "param", "replicas", "padding", "trajectory"):
+            assert checks[check]["elements"] > 0, (opt, check)
+        assert checks["param"]["margin"] <= 1.0, (opt, checks["param"])
+
+
 @pytest.fixture(scope="session")
 def corrupt_run(tmp_path_factory):
     return _shared_run(tmp_path_factory, "corrupt", [
@@ -126,10 +184,10 @@ def test_one_corrupted_gathered_element_on_one_rank_is_caught(corrupt_run):
     for cell_id, cell in _cells(corrupt_run).items():
         assert cell["verdict"] == "fail", cell_id
         first = cell["first_divergence"]
-        assert first["step"] == 1 and first["check"] in ("ranks", "loss", "grad"), first
+        assert first["step"] == 1 and first["check"] in ("loss", "grad"), first
         if cell["data"] == "identical":  # only rank 1 computed with the corrupted element
-            assert first["check"] == "ranks" and first["rank"] == 1, first
-            assert "rank 1 disagrees" in cell["first_divergence_text"]
+            assert first["check"] == "loss" and first["rank"] == 1, first
+            assert "on rank 1" in cell["first_divergence_text"]
         grad_names = {v["name"] for v in cell["violations"] if v["check"] == "grad"}
         assert grad_names, cell  # and the gradients it produced are named, parameter by parameter
         assert cell["first_divergence_text"] in report

@@ -11,7 +11,7 @@ from harness import cli
 from harness.diff import DiffStats, compare, owner_of, ulp_distance
 from harness.plan import Cell, PlanError, build_plan
 from harness.snapshot import FORMAT, load_snapshot, save_snapshot
-from harness.tolerance import ErrorModel, OptimizerErrorState, unit_roundoff
+from harness.tolerance import OptimizerErrorState, ReductionModel, unit_roundoff
 
 
 def test_ulp_distance_counts_representable_steps_across_zero():
@@ -34,17 +34,82 @@ def test_compare_reports_zero_only_when_bitwise_equal():
     assert diff.num_diff == 1 and diff.max_ulp == 1 and diff.max_abs > 0 and not diff.bitwise_equal
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_grad_bound_covers_reordered_sums_with_cancellation(seed):
+def _reductions(terms: torch.Tensor, world_size: int) -> dict[str, torch.Tensor]:
+    """Honest ways to average K = world_size x M float32 terms (dim 0) the way sharded runs do."""
+    k = terms.size(0)
+    per_rank = [c.sum(0) for c in terms.chunk(world_size)]  # local accumulation, then the ranks
+    ring = per_rank[0].clone()
+    for t in per_rank[1:]:
+        ring = ring + t
+    tree = torch.stack(per_rank)
+    while tree.size(0) > 1:
+        tree = tree[0::2] + tree[1::2] if tree.size(0) % 2 == 0 else torch.cat([tree[:1], tree[1:2] + tree[2:]])
+    return {
+        "ring, divide after": ring / world_size,
+        "tree, divide after": tree[0] / world_size,
+        "divide before, sequential": sum((t / world_size for t in terms.unbind(0)), torch.zeros_like(terms[0])),
+        "sqrt-split divide": sum((t / 2 for t in per_rank), torch.zeros_like(terms[0])) / (world_size / 2),
+        "reversed": sum(reversed([t / world_size for t in per_rank]), torch.zeros_like(terms[0])),
+    }
+
+
+@pytest.mark.parametrize("world_size,num_micro", [(2, 1), (3, 1), (4, 2), (8, 1), (8, 2)])
+@pytest.mark.parametrize("seed", range(3))
+def test_reduction_bound_covers_every_honest_order_and_catches_small_scale_errors(world_size, num_micro, seed):
     g = torch.Generator().manual_seed(seed)
-    n = 64
-    terms = torch.randn(n, 200, generator=g) * torch.logspace(-6, 2, 200)  # wide magnitudes
-    terms[:, :50] -= terms[:, :50].mean(0)  # heavy cancellation in some columns
-    mean_a = terms.sum(0) / n
-    mean_b = torch.stack([c.sum(0) for c in terms.chunk(8)]).sum(0) / n  # 8 "ranks"
-    abs_mean = terms.abs().mean(0)
-    bound = ErrorModel(num_terms=n).grad_bound(abs_mean, mean_b)
-    assert ((mean_a.double() - mean_b.double()).abs() <= bound).all()
+    k = world_size * num_micro
+    terms = torch.randn(k, 3000, generator=g) * torch.logspace(-6, 2, 3000)  # wide magnitudes
+    terms[:, :1000] -= terms[:, :1000].mean(0)  # heavy cancellation in some columns
+    exact = terms.double().sum(0) / world_size
+    abs_mean = terms.double().abs().sum(0) / world_size
+    model = ReductionModel(k, unit_roundoff(torch.float32))
+    bound = model.grad_bound(abs_mean)
+    margins = []
+    for how, mean in _reductions(terms, world_size).items():
+        diff = (mean.double() - exact).abs()
+        assert (diff <= bound).all(), (how, (diff / bound).max().item())
+        margins.append((diff / bound).max().item())
+    # Tight, not only valid: honest orders use a visible part of it ...
+    assert max(margins) > 0.05, margins
+    # ... and a uniform relative error a few times the bound escapes it.
+    scaled = list(_reductions(terms, world_size).values())[0] * (1 + 4 * model.relative)
+    assert ((scaled.double() - exact).abs() > bound).any()
+
+
+def test_identical_data_bound_is_a_few_ulps_and_catches_1e_6_at_every_w():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+    for w in (1, 2, 4, 8):
+        model = ReductionModel(w, unit_roundoff(torch.float32))
+        assert model.relative < 12 * unit_roundoff(torch.float32)
+        honest = torch.stack([x] * w).sum(0) / w
+        bound = model.grad_bound(x.double().abs())
+        assert ((honest.double() - x.double()).abs() <= bound).all()
+        bad = honest * (1 + 1e-6)
+        assert ((bad.double() - x.double()).abs() > bound).any(), w
+
+
+def test_a_precision_too_low_to_judge_is_refused_not_passed():
+    from harness.diff import CheckStats, precision_refusal
+    from harness.tolerance import MAX_MEDIAN_RELATIVE_TOLERANCE
+
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    for w, dtype, refused in ((8, torch.float32, False), (8, torch.bfloat16, False), (64, torch.bfloat16, True)):
+        model = ReductionModel(w, unit_roundoff(dtype))
+        stats = CheckStats(u=model.u)
+        stats.add(g.numel(), 0.0, model.grad_bound(g.abs() * 2), g)  # sum |term| / W = 2 |g|
+        reason = precision_refusal(stats.summary(), model)
+        assert (reason is not None) == refused, (w, dtype, reason)
+        if refused:
+            assert "cannot verify at this precision" in reason and str(MAX_MEDIAN_RELATIVE_TOLERANCE) in reason
+
+
+def test_mixed_precision_reduction_uses_the_reduce_dtype_and_counts_the_cast():
+    fp32, bf16 = torch.float32, torch.bfloat16
+    assert ReductionModel.for_cell(4, 1, bf16, fp32).u == unit_roundoff(fp32)
+    assert ReductionModel.for_cell(4, 1, bf16, bf16).u == unit_roundoff(bf16)
+    assert ReductionModel.for_cell(4, 2, bf16, fp32).u == unit_roundoff(bf16)  # local accumulation in bf16
+    assert ReductionModel.for_cell(4, 1, fp32, bf16).casts == 1
+    assert ReductionModel.for_cell(4, 1, fp32, None).casts == 0
 
 
 def _optimizer_drift(spec: OptimizerSpec, grads, deltas, grad_tols):

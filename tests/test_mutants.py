@@ -31,7 +31,7 @@ def test_a_mutant_is_caught_by_any_failing_run_and_reports_its_gate_evidence_fir
 
 
 def test_an_uncaught_mutant_and_a_crash_are_reported_as_such():
-    missed = MutantRow("m", "a bug", [Evidence("gate c", margins={"grad": 0.2, "loss": 0.4})])
+    missed = MutantRow("m", "a bug", [Evidence("gate c", margins={"grad": 0.2, "trajectory": 0.4, "loss": 0.9})])
     assert not missed.caught and missed.check() == "-" and missed.ratio() == 0.4
     assert "| m | NO | - |" in table([missed])
     crashed = MutantRow("c", "a crash", [Evidence("fuzz x W=2", error="rank 1: Traceback\nRuntimeError: boom")])

@@ -69,8 +69,10 @@ def test_step_evidence_carries_a_different_number_of_intervals_per_shard():
         RawShard("b/_flat_param", torch.zeros(4), torch.ones(4), ((0, 1),)),
         RawShard("c/_flat_param", torch.zeros(9), None, ((1, 3), (4, 5), (8, 9))),
     ]
-    losses, shards, grads, intervals = _gather_step_evidence(torch.tensor(2.5), raws, RankContext(0, 1, None))
-    assert losses.tolist() == [2.5]
+    digests = [(1 << 52) - 1, 7]  # the largest digest survives the float64 trip exactly
+    losses, replica_digests, shards, grads, intervals = _gather_step_evidence(
+        torch.tensor(2.5), raws, digests, RankContext(0, 1, None))
+    assert losses.tolist() == [2.5] and replica_digests.tolist() == [digests]
     assert intervals == {"a/_flat_param": [[]], "b/_flat_param": [[[0, 1]]],
                          "c/_flat_param": [[[1, 3], [4, 5], [8, 9]]]}
     assert torch.equal(shards["a/_flat_param"], torch.arange(6.0).unsqueeze(0))
