@@ -52,8 +52,10 @@ class StorageRecord:
     id: int
     phase: str  # the phase that allocated it ("before" for storages tracked on entry)
     numel: int  # elements of the tensor that first showed the storage
+    op: str  # the op whose output first showed it ("track" for tensors that existed before)
     tag: str | None = None  # a category the caller assigned
     comm: bool = False  # an argument of a collective at some point
+    partial_view: bool = False  # first seen through a view smaller than the storage
     freed_at: int | None = None  # event index of its free
 
 
@@ -87,13 +89,13 @@ class LiveMemory(TorchDispatchMode):
         self._phase = name
         self.phases.append((len(self.events), name))
 
-    def _record(self, storage: torch.UntypedStorage, numel: int) -> StorageRecord:
+    def _record(self, storage: torch.UntypedStorage, numel: int, op: str = "track") -> StorageRecord:
         rid = self._ids.get(storage)
         if rid is not None:
             self._resized(rid, storage.nbytes())
             return self.records[rid]
         rid = len(self.records)
-        rec = StorageRecord(rid, self._phase, numel)
+        rec = StorageRecord(rid, self._phase, numel, op)
         self.records.append(rec)
         self._ids[storage] = rid
         self._nbytes[rid] = storage.nbytes()
@@ -131,11 +133,15 @@ class LiveMemory(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if _holds_memory(t):
-                self._record(t.untyped_storage(), t.numel())
+                storage = t.untyped_storage()
+                known = storage in self._ids
+                rec = self._record(storage, t.numel(), str(func))
+                if not known and t.numel() * t.element_size() < storage.nbytes():
+                    rec.partial_view = True
         if func.namespace == "c10d":
             for t in tree_flatten((args, kwargs))[0]:
                 if _holds_memory(t):
-                    self._record(t.untyped_storage(), t.numel()).comm = True
+                    self._record(t.untyped_storage(), t.numel(), str(func)).comm = True
         return out
 
     def __enter__(self):
@@ -172,13 +178,18 @@ class LiveMemory(TorchDispatchMode):
         """The category of one storage, with everything known after the step.
 
         Tags win (the caller tags parameters, optimizer state, unsharded buffers and, after
-        backward, the storages behind .grad). Otherwise: allocated in backward with a parameter's
+        backward, the storages behind .grad). A storage first seen through a smaller view was
+        allocated inside a backend and is a communication buffer. Otherwise: allocated in backward with a parameter's
         (or a flat parameter's) numel is a gradient in flight; an argument of a collective is a
         communication buffer; allocated in forward and still alive when backward starts is an
         activation; anything else is a temporary.
         """
         if rec.tag is not None:
             return rec.tag
+        if rec.partial_view:
+            # Allocated where the dispatcher does not show it (gloo's reduce-scatter copies its
+            # input inside the backend; a view of that copy is the first tensor we see).
+            return COMMUNICATION
         if rec.phase == "backward" and rec.numel in grad_numels:
             return GRADIENTS_IN_FLIGHT
         if rec.comm:
@@ -229,7 +240,7 @@ class LiveMemory(TorchDispatchMode):
             live[rid] = live.get(rid, 0) + delta
         top = sorted((nbytes, rid) for rid, nbytes in live.items() if nbytes)[-n:]
         return [{"bytes": nbytes, "category": self.classify(self.records[rid], grad_numels),
-                 "allocated_in": self.records[rid].phase, "numel": self.records[rid].numel,
+                 "allocated_in": self.records[rid].phase, "numel": self.records[rid].numel, "op": self.records[rid].op,
                  "collective_arg": self.records[rid].comm} for nbytes, rid in reversed(top)]
 
     def live_bytes(self) -> int:

@@ -1,25 +1,35 @@
 """One flat parameter's sharded/unsharded lifecycle: all-gather, views, reduce-scatter.
 
 The sharded flat parameter (1-D, `shard_numel` elements, padding included) is what the module
-registers and what the optimizer updates. The unsharded buffer is a separate autograd leaf whose
-storage exists only between unshard() and reshard(); the original parameters are views into it
-(see [Note: Views into the unsharded buffer]).
+registers and what the optimizer updates. The unsharded buffer is a separate tensor whose storage
+exists only between unshard() and reshard(); the original parameters are views into it (see
+[Note: Views into the unsharded buffer]).
 
 [Note: Views into the unsharded buffer]
-Each forward makes fresh views of the unsharded leaf with one `torch.split`, so autograd records a
-single SplitBackward node that writes every view's gradient into one padded gradient of the
-leaf. When a unit reshards after forward, the leaf's storage is resized to zero; the pre-backward
-hook resizes it back and all-gathers into the same storage, so tensors that autograd saved in
-forward (views of that storage) see the re-gathered values. Writes go through `leaf.data`, an
-alias with its own version counter, so autograd does not mistake the re-gather for an in-place
-change of a saved tensor.
+Each forward hands every owner of every parameter its own view of the unsharded buffer, made an
+autograd leaf (the buffer itself takes no part in autograd). A view's gradient is added into one
+padded unsharded gradient of the unit as soon as autograd has accumulated it (a post-accumulate-
+grad hook) and dropped at once, so a unit never holds more than its padded gradient plus the one
+parameter gradient in flight: a tied embedding and output head (two owners, two views) do not keep
+the head's gradient alive from the start of backward to the embedding's gradient at its end, nor
+a third tensor for their sum. When every view handed out has reported, the padded gradient is
+reduce-scattered and the unit reshards; views that get no gradient (unused parameters) are
+reduced by the root's end-of-backward callback.
 
-At W = 1 with no dtype cast and no replication, the leaf *is* the sharded parameter: no copy,
-no collective, and gradients accumulate into it exactly as into the plain model's parameters.
+When a unit reshards after forward, the buffer's storage is resized to zero; the pre-backward hook
+resizes it back and all-gathers into the same storage, so tensors that autograd saved in forward
+(views of that storage) see the re-gathered values. Writes go through `.data`, an alias with its
+own version counter, so autograd does not mistake the re-gather for an in-place change of a saved
+tensor.
+
+At W = 1 with no dtype cast and no replication, the buffer *is* the sharded parameter and the
+views are one `torch.split` of it: no copy, no collective, and gradients accumulate into it
+(through SplitBackward) exactly as into the plain model's parameters.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -74,8 +84,13 @@ class FlatParamHandle:
         self.comm = comm
         self.requires_grad = requires_grad
         self.state = HandleState.SHARDED
-        self._leaf: torch.Tensor | None = None
-        self._views: list[torch.Tensor] = []
+        self._leaf: torch.Tensor | None = None  # the unsharded buffer (padded_numel,)
+        self._views: list[torch.Tensor] = []  # one per (owner, slot), in _owner_slots order
+        self._owner_slots = [(module, attr, i) for i, owners in enumerate(slot_owners) for module, attr in owners]
+        self._padded_grad: torch.Tensor | None = None  # unsharded gradient, (padded_numel,)
+        self._slot_has_grad: list[bool] = []
+        self._num_views_pending = 0  # gradient-tracking views handed out since the last reduce
+        self._num_views_done = 0
         self._pending: tuple | None = None  # (work, input) of an all-gather in flight
         self.sync_grads = True  # False: keep accumulating the unsharded gradient (no_sync)
 
@@ -109,8 +124,14 @@ class FlatParamHandle:
 
     def init_sharded_from(self, full_tensors: list[torch.Tensor]) -> torch.Tensor:
         """The local shard (a fresh tensor, padding zero) of the given full parameters."""
-        padded = flatten_padded(full_tensors, self.layout)
+        return self.shard_of_padded(flatten_padded(full_tensors, self.layout))
+
+    def shard_of_padded(self, padded: torch.Tensor, fresh: bool = True) -> torch.Tensor:
+        """This rank's shard of a padded unsharded buffer whose padding is zero: a fresh tensor,
+        or (fresh=False, for a caller that copies it at once) a view when nothing alters it."""
         start, end = self.layout.shard_bounds(self.comm.shard_rank)
+        if not fresh and not self.comm.faults:
+            return padded[start:end]
         if "shard_offset_off_by_one" in self.comm.faults:
             start, end = start + 1, end + 1
             padded = torch.cat([padded, padded.new_zeros(1)])
@@ -138,9 +159,6 @@ class FlatParamHandle:
         device = self.comm.compute_device or sharded.device
         if leaf is None or leaf.device != device or leaf.dtype != self.compute_dtype:
             leaf = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=device)
-            leaf.requires_grad_(self.requires_grad)
-            if self.requires_grad:
-                leaf.register_post_accumulate_grad_hook(self._post_accumulate_grad)
             self._leaf = leaf
         return leaf
 
@@ -184,12 +202,33 @@ class FlatParamHandle:
         self.state = HandleState.UNSHARDED
 
     def use_views(self) -> None:
-        """Point every original parameter name at a fresh view of the unsharded leaf."""
+        """Point every original parameter name at a view of the unsharded buffer."""
         self.assert_state(HandleState.UNSHARDED)
-        self._views = unflatten_views(self._ensure_leaf(), self.layout)
-        for view, owners in zip(self._views, self.slot_owners):
-            for module, attr in owners:
-                module.__dict__[attr] = view
+        if self._aliased:
+            views = unflatten_views(self._ensure_leaf(), self.layout)
+            for view, owners in zip(views, self.slot_owners):
+                for module, attr in owners:
+                    module.__dict__[attr] = view
+            return
+        if not self._views:  # reused until their gradients are in: a second call, a recompute
+            self._views = self._make_views()
+        for (module, attr, _), view in zip(self._owner_slots, self._views):
+            module.__dict__[attr] = view
+
+    def _make_views(self) -> list[torch.Tensor]:
+        """One view per (owner, slot), a gradient-tracking leaf when gradients will flow."""
+        buffer = self._ensure_leaf().data
+        track = self.requires_grad and torch.is_grad_enabled()
+        views = []
+        for _, _, slot_index in self._owner_slots:
+            slot = self.layout.slots[slot_index]
+            view = buffer[slot.offset : slot.end].view(slot.size)
+            if track:
+                view.requires_grad_(True)
+                view.register_post_accumulate_grad_hook(functools.partial(self._view_grad_ready, slot_index))
+            views.append(view)
+        self._num_views_pending += len(views) if track else 0
+        return views
 
     def reshard(self, *, for_backward_regather: bool = False) -> None:
         """Free the unsharded storage; views keep their (now empty) storage until re-gathered."""
@@ -209,13 +248,35 @@ class FlatParamHandle:
         self._views = []
 
     # -- gradients -----------------------------------------------------------------------------
-    def _post_accumulate_grad(self, leaf: torch.Tensor) -> None:
-        # Without sync the unsharded gradient keeps accumulating until a synced backward.
-        if self.sync_grads:
-            full_grad = leaf.grad
-            leaf.grad = None
-            self.accumulate_sharded_grad(self.reduce_grad(full_grad))
+    def _view_grad_ready(self, slot_index: int, view: torch.Tensor) -> None:
+        """Add one view's gradient into the padded unsharded gradient and drop it."""
+        grad, view.grad = view.grad, None
+        if self._padded_grad is None:
+            self._padded_grad = torch.zeros(self.layout.padded_numel, dtype=grad.dtype, device=grad.device)
+            self._slot_has_grad = [False] * len(self.layout.slots)
+        slot = self.layout.slots[slot_index]
+        target = self._padded_grad[slot.offset : slot.end].view(slot.size)
+        if self._slot_has_grad[slot_index]:
+            target.add_(grad)
+        else:  # the first contribution is copied, as autograd keeps the first gradient as is
+            target.copy_(grad)
+            self._slot_has_grad[slot_index] = True
+        del grad, target  # freed before the reduce-scatter below allocates
+        self._num_views_done += 1
+        if self._num_views_done == self._num_views_pending:
+            self.finish_backward()
+
+    def finish_backward(self) -> None:
+        """Reshard, then reduce the padded gradient (unless accumulating without sync); called
+        when every view handed out has its gradient, and by the root at the end of backward.
+        Resharding first frees the unsharded parameters, which no backward op needs any more,
+        before the reduce-scatter allocates."""
+        self._views = []  # the next forward hands out fresh leaves
+        self._num_views_pending = self._num_views_done = 0
         self.reshard()
+        if self._padded_grad is not None and self.sync_grads:
+            padded_grad, self._padded_grad = self._padded_grad, None
+            self.accumulate_sharded_grad(self.reduce_grad(padded_grad))
 
     def reduce_grad(self, padded_full_grad: torch.Tensor) -> torch.Tensor:
         """Reduce-scatter (sum) then average: this rank's shard of the mean gradient."""
@@ -260,7 +321,7 @@ class FlatParamHandle:
         zero_padding_(self.sharded.data, self.layout.local_padding_intervals(self.comm.shard_rank))
 
     def has_pending_unsharded_grad(self) -> bool:
-        return self._leaf is not None and self._leaf.grad is not None
+        return self._padded_grad is not None
 
     # -- full tensors ----------------------------------------------------------------------------
     def gather_full(self, sharded: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from impl._flat_param import FlatLayout
+from impl._flat_param import FlatLayout, unflatten_views, zero_padding_
 from impl._unit import FSDPUnit
 
 
@@ -78,7 +78,9 @@ def init_meta_module(model: nn.Module, device: torch.device | str = "cpu") -> nn
 
     Modules are reset in `model.modules()` order (the construction order of most models, so the
     random draws match an eager build). A unit's full parameters exist only from the first reset
-    that touches them until the last one: peak memory is the units in flight, not the model.
+    that touches them until the last one, as views of one padded buffer from which this rank's
+    shard is copied (when the shard is the whole buffer, W_shard = 1, the views are of the
+    shard itself): peak memory is the sharded model plus the units in flight, never the model.
     Full parameters are filled with NaN first; a parameter that no reset_parameters() wrote is
     reported by name instead of silently training from uninitialised memory.
     """
@@ -92,26 +94,32 @@ def init_meta_module(model: nn.Module, device: torch.device | str = "cpu") -> nn
             handles_of.setdefault(key, []).append(handle)
             if callable(getattr(sub, "reset_parameters", None)):
                 pending[id(handle)] = pending.get(id(handle), 0) + 1
-    fulls: dict[int, list[torch.Tensor]] = {}
+    fulls: dict[int, torch.Tensor] = {}  # id(handle) -> its padded unsharded buffer
     never: list[str] = []
 
     def materialise(handle) -> None:
-        tensors = [torch.full(s.size, float("nan"), dtype=handle.sharded.dtype, device=device)
-                   for s in handle.layout.slots]
-        for full, owners in zip(tensors, handle.slot_owners):
+        layout = handle.layout
+        in_place = layout.shard_numel == layout.padded_numel and not handle.comm.faults
+        padded = handle.sharded.data if in_place else torch.empty(
+            layout.padded_numel, dtype=handle.sharded.dtype, device=device)
+        padded.fill_(float("nan"))
+        zero_padding_(padded, layout.padding_intervals())
+        for full, owners in zip(unflatten_views(padded, layout), handle.slot_owners):
             for sub, attr in owners:
                 sub.__dict__[attr] = full
-        fulls[id(handle)] = tensors
+        fulls[id(handle)] = padded
 
     def finish(handle) -> None:
-        tensors = fulls.pop(id(handle), None)
-        if tensors is None:
+        padded = fulls.pop(id(handle), None)
+        if padded is None:
             never.extend(s.fqn for s in handle.layout.slots)
             return
-        missing = [s.fqn for s, t in zip(handle.layout.slots, tensors) if torch.isnan(t).any()]
+        views = unflatten_views(padded, handle.layout)
+        missing = [s.fqn for s, t in zip(handle.layout.slots, views) if torch.isnan(t).any()]
         never.extend(missing)
         if not missing:
-            handle.sharded.copy_(handle.init_sharded_from(tensors))
+            if padded.untyped_storage() is not handle.sharded.untyped_storage():
+                handle.sharded.copy_(handle.shard_of_padded(padded, fresh=False))
             handle.reshard()
         for owners in handle.slot_owners:
             for sub, attr in owners:

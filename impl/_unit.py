@@ -3,9 +3,10 @@
 Forward:  pre-hook unshards (all-gather) and points the original names at views;
           post-hook reshards unless reshard_after_forward=False or this is the root, and
           registers a hook on the outputs that re-gathers before this unit's backward.
-Backward: the unsharded leaf's post-accumulate-grad hook reduce-scatters and averages its
-          gradient, then reshards. The root queues one callback at the end of backward that
-          reshards every unit whose parameters got no gradient and resets the phase.
+Backward: each parameter view's post-accumulate-grad hook adds its gradient into the unit's
+          padded gradient; after the last one the unit reduce-scatters, averages and reshards
+          ([Note: Views into the unsharded buffer]). The root queues one callback at the end of
+          backward that finishes every unit some of whose views got no gradient.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class FSDPUnit:
     def _finalize_backward(self) -> None:
         for unit in self.all_units:
             for handle in unit.handles:
-                handle.reshard()
+                handle.finish_backward()  # units whose views did not all get a gradient
             unit.training_state = TrainingState.IDLE
         self._finalize_queued = False
 
