@@ -8,7 +8,7 @@ of every gradient and parameter; `gate --baseline FILE` compares the run's own r
 
 Format (`FORMAT`), JSON so that a baseline diffs and reviews like code:
 
-    {"format": FORMAT, "key": {"torch", "backend", "device", "threads"},
+    {"format": FORMAT, "key": {"torch", "cuda", "backend", "device", "gpu", "threads"},
      "recorded": {"git_commit", "python", "platform", "cpu_capability"},   # informational
      "cases": {case: {"steps": N, "optimizers": {kind: {
          "init": {name: [sum, norm]},
@@ -17,7 +17,8 @@ Format (`FORMAT`), JSON so that a baseline diffs and reviews like code:
 A digest is (sum, L2 norm) of the tensor, accumulated in float64 (fp32 values are exact in fp64).
 
 [Note: Baseline tolerance]
-The key (torch version, backend, device type, intra-op threads) pins the kernels; a baseline
+The key (torch version, CUDA version and GPU name for a CUDA run, backend, device type, intra-op
+threads per rank; harness/environment.py, taken from the run's plan) pins the kernels; a baseline
 from another key is refused (PlanError, exit 2) rather than compared. Within a key the reference
 is deterministic, and what a digest may still differ by is bounded by the error model: if every
 element satisfies |a - b| <= tol (docs/error_model.md, the per-step tolerance the gate's own checks
@@ -37,8 +38,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,9 +50,10 @@ from harness.evidence import check_snapshot_evidence, model_parameters
 from harness.plan import PlanError, RunPlan
 from harness.snapshot import load_snapshot, snapshot_path, write_atomic_text
 from harness.diff import StepBounds
+from harness.environment import BASELINE_KEY_FIELDS, baseline_key, plan_environment
 
-FORMAT = "fsdp-equiv-baseline/1"
-KEY_FIELDS = ("torch", "backend", "device", "threads")
+FORMAT = "fsdp-equiv-baseline/2"  # /2: the key gained cuda and gpu
+KEY_FIELDS = BASELINE_KEY_FIELDS
 
 
 class BaselineRefused(PlanError):
@@ -62,11 +64,9 @@ class BaselineNotRecorded(RuntimeError):
     """The reference run cannot be recorded (it crashed, or produced non-finite values)."""
 
 
-def environment_key(threads: int) -> dict:
-    from harness.report import environment
-
-    env = environment(threads)
-    return {"torch": env["torch"], "backend": env["backend"], "device": env["device"], "threads": threads}
+def environment_key(plan: RunPlan) -> dict:
+    """The key a baseline of `plan`'s reference is recorded under, and checked against."""
+    return baseline_key(plan.backend, plan.device, plan.threads)
 
 
 def digest(t: torch.Tensor) -> list[float]:
@@ -90,9 +90,7 @@ def reference_plan(plan: RunPlan) -> RunPlan:
 
 def baseline_from_snapshots(ref_plan: RunPlan) -> dict:
     """The baseline of a finished `reference_plan` run."""
-    from harness.report import environment
-
-    env = environment(ref_plan.threads)
+    env = plan_environment(ref_plan)
     cases: dict = {}
     for ref in ref_plan.cells:
         optimizers = {}
@@ -117,9 +115,9 @@ def baseline_from_snapshots(ref_plan: RunPlan) -> dict:
         raise BaselineNotRecorded(f"the reference run produced a non-finite value at {bad}: the case diverged")
     return {
         "format": FORMAT,
-        "key": environment_key(ref_plan.threads),
-        "recorded": {"git_commit": env["git_commit"], "git_dirty": env["git_dirty"], "python": env["python"],
-                     "platform": platform.platform(), "cpu_capability": _cpu_capability()},
+        "key": environment_key(ref_plan),
+        "recorded": {k: env[k] for k in ("git_commit", "git_dirty", "python", "platform", "cpu_capability", "cudnn",
+                                         "nccl")},
         "cases": cases,
     }
 
@@ -133,13 +131,6 @@ def _first_non_finite(obj, where: str) -> str | None:
         if found:
             return found
     return None
-
-
-def _cpu_capability() -> str:
-    try:
-        return torch.backends.cpu.get_cpu_capability()
-    except Exception:  # older torch: informational only
-        return "unknown"
 
 
 def check_record_target(path: Path) -> None:
@@ -231,7 +222,7 @@ def load_baseline(path: str | Path, plan: RunPlan) -> dict:
     except ValueError as e:
         raise BaselineRefused(f"--baseline={path} is malformed: {e}; re-record it: python -m harness baseline "
                               f"record --out {path}") from None
-    here = environment_key(plan.threads)
+    here = environment_key(plan)
     recorded = baseline["key"]
     differ = [f"{k}: baseline={recorded.get(k)!r} this run={here[k]!r}" for k in KEY_FIELDS if recorded.get(k) != here[k]]
     if differ:
@@ -281,6 +272,7 @@ class BaselineResult:
     violations: list[BaselineViolation] = field(default_factory=list)
     error: str | None = None  # no reference snapshot to check
     num_checked: int = 0
+    wall_s: float = 0.0  # seconds the check took (its JUnit test case's time)
 
     @property
     def verdict(self) -> str:
@@ -330,6 +322,7 @@ def check_baseline(plan: RunPlan, baseline: dict, path: str) -> list[BaselineRes
     for ref in plan.references:
         out = BaselineResult(path, ref.case)
         results.append(out)
+        start = time.perf_counter()
         recorded_case = baseline["cases"][ref.case]
         sizes, grad_names = model_parameters(ref.case)
         for spec in get_case(ref.case).optimizers:
@@ -356,4 +349,5 @@ def check_baseline(plan: RunPlan, baseline: dict, path: str) -> list[BaselineRes
                 _check_digests(out, spec.kind, rec["step"], "grad", rec["grads"], rec_base["grads"], grad_tols)
                 _check_digests(out, spec.kind, rec["step"], "param", rec["params"], rec_base["params"], param_tols)
         out.violations.sort(key=lambda v: (v.step, ("names", "init", "loss", "grad", "param").index(v.quantity)))
+        out.wall_s = time.perf_counter() - start
     return results

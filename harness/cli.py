@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     record.add_argument("--cases", default="mlp,transformer", help="comma-separated case names (default mlp,transformer)")
     record.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the case's)")
     record.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1; part of the baseline's key)")
+    record.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                        help="process-group backend (default gloo; part of the baseline's key)")
+    record.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="device of the reference run (default cpu; part of the baseline's key with the GPU name)")
     record.add_argument("--timeout", type=float, default=600.0, help="seconds for the launch (default 600)")
     record.add_argument("--work-dir", default="runs/baseline", help="snapshots and logs (default runs/baseline)")
     record.add_argument("--quiet", action="store_true", help="no progress display")
@@ -225,7 +229,8 @@ def cmd_baseline_record(args) -> int:
 
     plan = reference_plan(build_plan(cases=parse_csv(args.cases, "cases"), impls=("single",), world_sizes=(1,),
                                      data_modes=("identical",), steps=args.steps, timeout_s=args.timeout,
-                                     out_dir=_out_dir(args.work_dir, "--work-dir"), threads=args.threads))
+                                     out_dir=_out_dir(args.work_dir, "--work-dir"), threads=args.threads,
+                                     backend=args.backend, device=args.device))
     check_record_target(Path(args.out))  # an unwritable --out is refused before the reference runs
     with OutputDir(plan.out_dir, plan.run_id, RUN_GENERATED, flag="--work-dir"):
         outcome = run_plan(plan, None if args.quiet else Progress(plan))

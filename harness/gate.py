@@ -1,6 +1,6 @@
 """What `gate` adds to a run's reports: the CI-facing outputs, written by the parent.
 
-- junit.xml: report.py's one test case per cell, plus one per reference cell (a crashed
+- junit.xml: harness/junit.py's one test case per cell, plus one per reference cell (a crashed
   reference fails the gate, so CI must show it) and, with --baseline, one per case checked
   against the golden baseline (harness/baseline.py); the failure message is the first divergence.
 - summary.md: one row per cell (crashed and hung cells included) with its first divergence (the
@@ -15,9 +15,8 @@ from dataclasses import replace
 from xml.etree import ElementTree as ET
 
 from harness.baseline import BaselineResult
+from harness.junit import MAX_FAILURE_LINES, add_cell_outcome, add_testcase, recount
 from harness.report import Report
-
-MAX_FAILURE_LINES = 20
 
 
 def apply_baseline(report: Report, results: list[BaselineResult]) -> Report:
@@ -69,22 +68,16 @@ def render_baseline_section(baseline: list[BaselineResult]) -> str:
 def extend_junit(junit: str, report: Report, baseline: list[BaselineResult]) -> str:
     root = ET.fromstring(junit)
     for r in report.references:
-        case = ET.SubElement(root, "testcase", classname="harness.reference", name=r.cell.cell_id)
-        if r.verdict == "fail":
-            ET.SubElement(case, "failure", message=r.first_divergence.describe(r.cell.cell_id))
-        elif r.verdict == "error":
-            ET.SubElement(case, "error", message=_first_line(r.error)).text = r.error
+        case = add_testcase(root, "harness.reference", r.cell.cell_id, report.cell_wall_s.get(r.cell.cell_id, 0.0))
+        add_cell_outcome(case, r)
     for b in baseline:
-        case = ET.SubElement(root, "testcase", classname="harness.baseline", name=b.cell_id)
+        case = add_testcase(root, "harness.baseline", b.cell_id, b.wall_s)
         if b.error:
             ET.SubElement(case, "error", message=b.error)
         elif b.violations:
             ET.SubElement(case, "failure", message=b.violations[0].describe(b.path)).text = "\n".join(
                 v.describe(b.path) for v in b.violations[:MAX_FAILURE_LINES])
-    cases = root.findall("testcase")
-    root.set("tests", str(len(cases)))
-    root.set("failures", str(sum(c.find("failure") is not None for c in cases)))
-    root.set("errors", str(sum(c.find("error") is not None for c in cases)))
+    recount(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True)
 
 

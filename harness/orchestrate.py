@@ -34,6 +34,9 @@ class RunOutcome:
     launches: list[LaunchResult] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # cell_id -> why its evidence is not judged
     wall_s: float = 0.0
+    # cell_id -> seconds the cell ran in its launch's ranks (its completion record); a cell that
+    # broke its launch gets the launch's time after the cells completed before it, one never run 0.
+    cell_wall_s: dict[str, float] = field(default_factory=dict)
 
 
 def write_init_states(plan: RunPlan) -> None:
@@ -46,13 +49,23 @@ def write_init_states(plan: RunPlan) -> None:
         save_state(plan.init_dir / f"{case.name}.pt", model.state_dict(), plan.run_id)
 
 
-def cell_done(plan: RunPlan, cell: Cell) -> bool:
-    """Every rank of this run finished the cell (see the module docstring)."""
+def _completion_record(plan: RunPlan, cell: Cell) -> dict | None:
     try:
         record = json.loads(complete_path(plan.snapshot_dir, cell.cell_id).read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and record.get("run_id") == plan.run_id
+        return None
+    return record if isinstance(record, dict) and record.get("run_id") == plan.run_id else None
+
+
+def cell_done(plan: RunPlan, cell: Cell) -> bool:
+    """Every rank of this run finished the cell (see the module docstring)."""
+    return _completion_record(plan, cell) is not None
+
+
+def cell_wall_s(plan: RunPlan, cell: Cell) -> float:
+    """Seconds the completed cell ran in the ranks (0.0 when its record does not say)."""
+    wall = (_completion_record(plan, cell) or {}).get("wall_s")
+    return float(wall) if isinstance(wall, (int, float)) and not isinstance(wall, bool) else 0.0
 
 
 class Progress:
@@ -104,6 +117,12 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
                 if on_launch is not None:
                     on_launch(result)
                 unfinished = [c for c in pending if not cell_done(plan, c)]
+                for cell in pending:
+                    if cell not in unfinished:
+                        outcome.cell_wall_s[cell.cell_id] = cell_wall_s(plan, cell)
+                if unfinished and not result.ok:  # the first unfinished cell ran until the launch ended
+                    finished_s = sum(outcome.cell_wall_s[c.cell_id] for c in pending if c not in unfinished)
+                    outcome.cell_wall_s[unfinished[0].cell_id] = max(0.0, result.wall_s - finished_s)
                 if result.ok:
                     for cell in unfinished:  # exited 0 without finishing it: a worker bug
                         outcome.errors[cell.cell_id] = f"launch W={world_size} exited 0 without completing this cell"

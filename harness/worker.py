@@ -269,9 +269,10 @@ def main(argv: list[str]) -> int:
                 snapshot["run_id"] = run_id
                 save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
         dist.barrier()  # every rank finished this cell: a failure later in the launch is not its
-        if world.rank == 0:
+        if world.rank == 0:  # wall_s: the cell's time in the ranks, its JUnit test case's time
             write_atomic_text(complete_path(snapshot_dir, cell.cell_id),
-                              json.dumps({"run_id": run_id, "cell_id": cell.cell_id}) + "\n")
+                              json.dumps({"run_id": run_id, "cell_id": cell.cell_id,
+                                          "wall_s": round(time.perf_counter() - start, 3)}) + "\n")
         dist.barrier()  # no rank goes on (and may fail at exit) before the record exists
         if world.rank == 0:
             print(f"[harness] W={world.world_size} cell {i + 1}/{len(cells)} {cell.cell_id} "

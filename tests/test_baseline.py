@@ -37,9 +37,10 @@ def _foreign(baseline: dict, **key) -> dict:
 
 
 def _synthetic_baseline() -> dict:
-    from harness.baseline import FORMAT, environment_key
+    from harness.baseline import FORMAT
+    from harness.environment import baseline_key
 
-    return {"format": FORMAT, "key": environment_key(1), "recorded": {}, "cases": {"mlp": {"steps": 2, "optimizers": {}}}}
+    return {"format": FORMAT, "key": baseline_key("gloo", "cpu", 1), "recorded": {}, "cases": {"mlp": {"steps": 2, "optimizers": {}}}}
 
 
 @pytest.mark.parametrize("key", [{"torch": "2.0.0"}, {"device": "cuda"}, {"backend": "nccl"}, {"threads": 4}])

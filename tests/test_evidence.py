@@ -16,7 +16,8 @@ import torch
 
 from cases.catalog import get_case
 from harness import cli, diff
-from harness.baseline import BaselineRefused, BaselineResult, _check_digests, environment_key, load_baseline
+from harness.baseline import BaselineRefused, BaselineResult, _check_digests, load_baseline
+from harness.environment import baseline_key
 from harness.diff import DiffStats, OptimizerResult, Violation
 from harness.impls import RankContext
 from harness.orchestrate import RunOutcome, write_init_states
@@ -232,7 +233,7 @@ def _baseline(steps: int = 2) -> dict:
     record = lambda t: {"step": t, "loss": 1.0, "grads": {"w": [0.5, 1.0]}, "params": {"w": [0.5, 1.0]}}  # noqa: E731
     optimizers = {kind: {"init": {"w": [0.0, 1.0]}, "steps": [record(t) for t in range(1, steps + 1)]}
                   for kind in ("sgd", "adamw")}
-    return {"format": FORMAT, "key": environment_key(1), "recorded": {},
+    return {"format": FORMAT, "key": baseline_key("gloo", "cpu", 1), "recorded": {},
             "cases": {"mlp": {"steps": steps, "optimizers": optimizers}}}
 
 

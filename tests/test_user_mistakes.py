@@ -39,12 +39,13 @@ def _adapter(tmp_path, kind: str) -> str:
 
 
 def _baseline(tmp_path) -> str:
-    from harness.baseline import FORMAT, environment_key
+    from harness.baseline import FORMAT
+    from harness.environment import baseline_key
 
     record = {"step": 1, "loss": 1.0, "grads": {"w": [0.0, 1.0]}}  # no "params"
     optimizers = {k: {"init": {"w": [0.0, 1.0]}, "steps": [record]} for k in ("sgd", "adamw")}
     path = tmp_path / "baseline.json"
-    path.write_text(json.dumps({"format": FORMAT, "key": environment_key(1), "recorded": {},
+    path.write_text(json.dumps({"format": FORMAT, "key": baseline_key("gloo", "cpu", 1), "recorded": {},
                                 "cases": {"mlp": {"steps": 1, "optimizers": optimizers}}}))
     return str(path)
 
