@@ -262,6 +262,7 @@ class OptimizerResult:
     step_checks: list[dict] = field(default_factory=list)  # per step and check: margin, |diff|, tol
     losses: list[dict] = field(default_factory=list)  # per step: mean loss of cell, replay, reference
     error: str | None = None  # the cell cannot be verified (precision too low to judge)
+    stopped_after: int | None = None  # the last step judged when the cell went non-finite earlier
 
 
 def reduction_model(case: Case, world_size: int) -> ReductionModel:
@@ -350,6 +351,13 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
     traj: dict[str, list[DiffStats]] = {"loss": [], "grad": [], "param": []}
     for i, rec in enumerate(steps):
         step, shadow = rec["step"], rec["shadow"]
+        if any(v.check == "nonfinite" for v in viol):
+            # The cell went non-finite at an earlier step: the shadow now starts from its non-finite
+            # parameters, so later steps say nothing more; the first divergence is already named.
+            result.stopped_after = steps[i - 1]["step"] if i else 0
+            break
+        # The shadow starts from the cell's finite parameters of the previous step: a non-finite
+        # value in it is the unsharded model diverging, not the implementation.
         _require_finite("loss", step, {"<loss>": shadow["loss"]})
         _require_finite("gradient", step, shadow["grads"])
         _require_finite("parameter", step, shadow["params"])

@@ -24,6 +24,7 @@ FAULTS: dict[str, str] = {
                                   "rounding at every all-gather",
     "replica_grad_drift": "HSDP / NO_SHARD: the second replica's gradient is scaled by (1 + 1e-3), so the "
                           "replicas drift apart",
+    "grad_nan_one_element": "the last rank's first gradient element becomes NaN at its second reduction",
 }
 GRAD_SCALE_FAULTS = {"grad_scale_1e-5": 1e-5, "grad_scale_1e-6": 1e-6}
 

@@ -290,6 +290,10 @@ class FlatParamHandle:
             all_reduce_sum(sharded_grad, c.replicate_group, c.stats)
         if "no_grad_average" not in c.faults and c.data_parallel_size > 1:
             sharded_grad.div_(c.data_parallel_size)
+        if "grad_nan_one_element" in c.faults and c.shard_rank == c.shard_world_size - 1:
+            self._num_reductions = getattr(self, "_num_reductions", 0) + 1
+            if self._num_reductions == 2 and sharded_grad.numel():
+                sharded_grad[0] = float("nan")
         for fault in c.faults & GRAD_SCALE_FAULTS.keys():
             sharded_grad.mul_(1 + GRAD_SCALE_FAULTS[fault])
         if ("replica_grad_drift" in c.faults and c.replicate_group is not None
