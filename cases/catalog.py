@@ -7,6 +7,7 @@ sense for it. It imports torch and cases/ only: the harness decides how to run i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -238,7 +239,18 @@ LAYER_CLASSES = {"Block": Block}
 
 
 def get_case(name: str) -> Case:
+    """A catalog case by name, or a user's case by 'module:attr' / 'file.py:attr' (cases/user.py)."""
+    if ":" in name:
+        return _user_case(name)
     try:
         return CASES[name]
     except KeyError:
-        raise ValueError(f"unknown case {name!r}; known cases: {sorted(CASES)}") from None
+        raise ValueError(f"unknown case {name!r}; known cases: {sorted(CASES)}, or give 'module:attr' / "
+                         f"'file.py:attr' naming your own Case") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _user_case(spec: str) -> Case:
+    from cases.user import load_case  # cases/user.py imports Case from here
+
+    return load_case(spec)

@@ -428,9 +428,9 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                 pad = rows[r, at]
                 stats["padding"].add(pad.numel())
                 if pad.numel() and (pad != 0).any():
-                    i = int((pad != 0).nonzero()[0].item())
-                    viol.append(Violation(kind, step, "padding", key, float("inf"), abs(pad[i].item()), 0.0,
-                                          pad[i].item(), 0.0, index=int(at[i]), rank=r, in_padding=True,
+                    first = int((pad != 0).nonzero()[0].item())
+                    viol.append(Violation(kind, step, "padding", key, float("inf"), abs(pad[first].item()), 0.0,
+                                          pad[first].item(), 0.0, index=int(at[first]), rank=r, in_padding=True,
                                           num_violating=int((pad != 0).sum().item())))
 
         # trajectory: the free-running cell vs the free-running reference, within the envelope

@@ -8,6 +8,7 @@ bad request fails with one clear line and exit code 2.
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -59,10 +60,15 @@ class Cell:
         return re.sub(r"[^A-Za-z0-9_]+", "_", self.impl.rsplit(":", 1)[-1])
 
     @property
+    def case_label(self) -> str:
+        """The catalog name, or the name a user's case ('file.py:make_case') gives itself."""
+        return get_case(self.case).name if ":" in self.case else self.case
+
+    @property
     def cell_id(self) -> str:
         if self.is_reference:
-            return f"ref.{self.case}"
-        base = f"{self.case}.{self.impl_label}.w{self.world_size}.{self.data_mode}"
+            return f"ref.{self.case_label}"
+        base = f"{self.case_label}.{self.impl_label}.w{self.world_size}.{self.data_mode}"
         # Cells of one launch that differ only in planted faults (the mutants verb) need their own ids.
         return base + "".join(f".{f}" for f in self.faults)
 
@@ -161,11 +167,24 @@ def build_plan(
 ) -> RunPlan:
     from harness.impls import resolve_impl  # imports torch; kept out of plain Cell use
 
+    case_names: dict[str, str] = {}
+    extra_paths = []
     for name in cases:
         try:
-            get_case(name)
+            case = get_case(name)
+            if ":" in name:
+                from cases.user import validate_case
+
+                validate_case(case, name)
         except ValueError as e:
             raise PlanError(str(e)) from None
+        if case.name in case_names or (":" in name and case.name in CASES):
+            other = case_names.get(case.name, f"the catalog case {case.name!r}")
+            raise PlanError(f"--cases {name} is named {case.name!r} like {other}; the name keys its cells and "
+                            f"initial state: give your Case another name")
+        case_names[case.name] = name
+        if ":" in name and not name.split(":")[0].endswith(".py"):
+            extra_paths.append(os.getcwd())  # the ranks import 'module:attr' from where the run started
     for mode in data_modes:
         if mode not in DATA_MODES:
             raise PlanError(f"unknown data mode {mode!r}; known: {list(DATA_MODES)}")
@@ -181,7 +200,6 @@ def build_plan(
     if threads < 1:
         raise PlanError(f"threads={threads} must be >= 1")
     check_backend(backend, device, world_sizes)
-    extra_paths = []
     labels: dict[str, str] = {}
     for impl in impls:
         try:

@@ -85,7 +85,7 @@ def evaluate(plan: RunPlan, outcome: RunOutcome) -> tuple[list[CellResult], list
     case_names = sorted({c.case for c in plan.cells + plan.references})
     init_states: dict[str, dict | str] = {}  # a state, or why there is none
     for name in case_names:
-        path = plan.init_dir / f"{name}.pt"
+        path = plan.init_dir / f"{get_case(name).name}.pt"
         try:
             init_states[name] = load_state(path, plan.run_id)
         except Exception as e:

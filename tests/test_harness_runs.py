@@ -134,6 +134,10 @@ PLANTED = {
                          {f"{c}.ours.w{w}.split.grad_scale_1e-5" for c in ("mlp", "transformer") for w in (2, 4)}),
     "replica-drift": (["--cases", "no_shard", "--world-sizes", "2", "--data", "split", "--steps", "1",
                        "--faults", "replica_grad_drift"], "replicas", {"no_shard.ours.w2.split.replica_grad_drift"}),
+    # Two steps: a padding violation at step 1 must not disturb the trajectory check of step 2.
+    "grad-padding-garbage": (["--cases", "mlp", "--world-sizes", "2", "--data", "split", "--steps", "2",
+                              "--faults", "grad_padding_garbage"], "padding",
+                             {"mlp.ours.w2.split.grad_padding_garbage"}),
     "lost-master": (["--cases", "mixed_precision", "--world-sizes", "2", "--data", "split", "--steps", "1",
                      "--faults", "master_lost_to_param_dtype"], "param",
                     {"mixed_precision.ours.w2.split.master_lost_to_param_dtype"}),

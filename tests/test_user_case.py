@@ -1,0 +1,81 @@
+"""A user's own case, loaded from a file the package has never seen (cases/user.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCE = REPO / "tests" / "data" / "user_case_gated_seq.py"
+
+
+def _harness(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness", *args, "--quiet"], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_users_model_passes_at_every_w_and_a_planted_bug_in_its_adapter_fails(tmp_path):
+    case_file = tmp_path / "my_case.py"
+    shutil.copy(SOURCE, case_file)
+    proc = _harness(["run", "--cases", f"{case_file}:make_case",
+                     "--impls", f"ours,fsdp2,{case_file}:ScaledGradients", "--world-sizes", "1,2,4",
+                     "--data", "identical,split", "--out", str(tmp_path / "out")])
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cells = {c["cell_id"]: c for c in json.loads((tmp_path / "out" / "summary.json").read_text())["cells"]}
+    expected = {f"gated_seq.{impl}.w{w}.{data}" for impl in ("ours", "fsdp2", "ScaledGradients")
+                for w in (1, 2, 4) for data in ("identical", "split")}
+    assert set(cells) == expected, sorted(cells)
+    for cell_id, cell in cells.items():
+        if ".ScaledGradients." in cell_id and ".w1." not in cell_id:  # at W = 1 nothing is reduced
+            assert cell["verdict"] == "fail", cell_id
+            first = cell["first_divergence"]
+            assert (first["step"], first["check"]) == (1, "grad") and first["name"], first
+        else:
+            assert cell["verdict"] == "pass", (cell_id, cell["first_divergence_text"], cell["error"])
+            for opt, checks in cell["checks"].items():
+                assert all(checks[c]["elements"] > 0 for c in ("init", "loss", "grad", "param", "trajectory")), opt
+
+
+_MISTAKES = {
+    "no parameters": ("build_model=lambda: nn.Identity()", "no trainable parameters"),
+    "batch does not split": ("make_batch=lambda s, t, b: (torch.randn(7), torch.randn(7))", "dim 0 must be the batch"),
+    "loss not a scalar": ("loss_fn=lambda out, y: (out - y) ** 2", "must return a floating scalar"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(_MISTAKES))
+def test_a_mistake_in_a_users_case_is_exit_2_with_one_line_before_any_rank(tmp_path, mistake):
+    override, message = _MISTAKES[mistake]
+    (tmp_path / "bad_case.py").write_text(f"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from cases.catalog import Case, OptimizerSpec
+from cases.data import regression_batch
+
+def make_case():
+    kw = dict(name="bad", description="", build_model=lambda: nn.Linear(3, 2), wrap=(),
+              make_batch=regression_batch(3, 2), loss_fn=F.mse_loss, optimizers=(OptimizerSpec("sgd", lr=0.1),))
+    kw.update(dict({override}))
+    return Case(**kw)
+""")
+    proc = _harness(["run", "--cases", f"{tmp_path / 'bad_case.py'}:make_case", "--impls", "ours",
+                     "--world-sizes", "1", "--out", str(tmp_path / "out")], timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "out" / "logs").exists()  # refused before any rank started
+
+
+def test_a_case_file_that_does_not_load_is_exit_2_with_one_line(tmp_path):
+    (tmp_path / "broken.py").write_text("def make_case(:\n")
+    proc = _harness(["run", "--cases", f"{tmp_path / 'broken.py'}:make_case", "--impls", "ours",
+                     "--world-sizes", "1", "--out", str(tmp_path / "out")], timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "SyntaxError" in proc.stderr
