@@ -285,7 +285,11 @@ class StepBounds:
         features, u = self.case.features, self.u_param
         grad_tols, param_tols, stepped, stepped_tols = {}, {}, {}, {}
         for name, exact in shadow["grads"].items():
-            grad_tols[name] = self.reduction.grad_bound(shadow["abs_grads"][name])
+            # A tied parameter's gradient sums more terms (one per use): its own bound.
+            terms = shadow["num_terms"][name]
+            reduction = self.reduction if terms == self.reduction.num_terms else \
+                ReductionModel(terms, self.reduction.u, self.reduction.casts)
+            grad_tols[name] = reduction.grad_bound(shadow["abs_grads"][name])
             stepped[name] = exact.float().double()  # what the shadow's optimizer stepped with
             stepped_tols[name] = grad_tols[name] + (stepped[name] - exact.double()).abs()
         if features.clip_norm_type is not None:

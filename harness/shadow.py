@@ -67,6 +67,17 @@ class Shadow:
         plain.load_state_dict(init_state)
         plain.to(device)
         self.params = dict(plain.named_parameters())
+        self.plain = plain
+        # Tied parameters: every use beyond the first, by name. Their gradient is a sum over uses
+        # that an implementation may associate differently (across micro-batches, say), so each
+        # use is a term of its own (see _untied).
+        first: dict[int, str] = {}
+        self.aliases: dict[str, list[str]] = {}
+        for name, p in plain.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                self.aliases.setdefault(first[id(p)], []).append(name)
+            else:
+                first[id(p)] = name
         # Mixed precision: the shadow computes the way the policy does (harness/features.py).
         self.model = CastCompute(plain, features.compute_dtype) if features.mixed_precision else plain
         self.optim = spec.build(self.params.values())
@@ -80,31 +91,61 @@ class Shadow:
         ranks = range(1) if data_mode == "identical" else range(world_size)
         grad_sum: dict[str, torch.Tensor] = {}
         abs_sum: dict[str, torch.Tensor] = {}
+        uses = self._untie()
 
         def harvest(_: int) -> None:
-            for name, p in self.params.items():
-                if p.grad is None:
-                    continue
-                g = p.grad.detach().double()
-                if name in grad_sum:
-                    grad_sum[name] += g
-                    abs_sum[name] += g.abs()
-                else:
-                    grad_sum[name], abs_sum[name] = g.clone(), g.abs()
-                p.grad = None
+            for name, leaves in uses.items():
+                for leaf in leaves:
+                    if leaf.grad is None:
+                        continue
+                    g = leaf.grad.detach().double()
+                    if name in grad_sum:
+                        grad_sum[name] += g
+                        abs_sum[name] += g.abs()
+                    else:
+                        grad_sum[name], abs_sum[name] = g.clone(), g.abs()
+                    leaf.grad = None
 
         losses = []
-        for rank in ranks:
-            inputs, targets = (t.to(self.device) for t in local_batch(batch, data_mode, rank, world_size))
-            for p in self.params.values():
-                p.grad = None
-            losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
-                                           after_micro=harvest))
+        try:
+            for rank in ranks:
+                inputs, targets = (t.to(self.device) for t in local_batch(batch, data_mode, rank, world_size))
+                for leaves in uses.values():
+                    for leaf in leaves:
+                        leaf.grad = None
+                losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
+                                               after_micro=harvest))
+        finally:
+            self._retie()
         if data_mode == "identical":
             # Every rank computed this same local term: their mean is it, sum |term| / W is |it|.
             return torch.stack(losses * world_size), grad_sum, abs_sum
         return (torch.stack(losses), {n: s / world_size for n, s in grad_sum.items()},
                 {n: s / world_size for n, s in abs_sum.items()})
+
+    def _untie(self) -> dict[str, list[torch.Tensor]]:
+        """Give every extra use of a tied parameter a leaf of its own (same values, so the same
+        forward bits); returns each parameter name's leaves, its own first."""
+        uses = {name: [p] for name, p in self.params.items()}
+        for name, aliases in self.aliases.items():
+            for alias in aliases:
+                path, _, attr = alias.rpartition(".")
+                module = self.plain.get_submodule(path)
+                leaf = nn.Parameter(self.params[name].detach().clone(), requires_grad=self.params[name].requires_grad)
+                setattr(module, attr, leaf)
+                uses[name].append(leaf)
+        return uses
+
+    def _retie(self) -> None:
+        for name, aliases in self.aliases.items():
+            for alias in aliases:
+                path, _, attr = alias.rpartition(".")
+                setattr(self.plain.get_submodule(path), attr, self.params[name])
+
+    def num_terms(self, world_size: int) -> dict[str, int]:
+        """Local gradient terms per parameter: ranks x micro-batches x uses."""
+        return {name: world_size * self.num_micro * (1 + len(self.aliases.get(name, ())))
+                for name in self.params}
 
     def step(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
              perturb: torch.Generator | None = None) -> dict:
@@ -123,6 +164,7 @@ class Shadow:
             "loss": losses.detach().cpu(),
             "grads": {n: g.cpu() for n, g in grads.items()},
             "abs_grads": {n: a.cpu() for n, a in abs_grads.items()},
+            "num_terms": {n: k for n, k in self.num_terms(world_size).items() if n in grads},
             "params": {n: p.detach().cpu().clone() for n, p in self.params.items()},
             "state": {
                 n: {k: v.detach().cpu().clone() for k, v in self.optim.state[p].items() if isinstance(v, torch.Tensor)}

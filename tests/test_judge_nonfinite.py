@@ -84,3 +84,19 @@ def test_a_missing_step_is_an_error_not_a_shorter_pass(honest):
     truncated = {**snap, "steps": snap["steps"][:1]}
     with pytest.raises(ValueError, match="steps"):
         check_snapshot(truncated, {n: init[n] for n in snap["init"]["params"]}, snap, case=as_case(_SPEC))
+
+
+def test_a_tied_parameter_counts_one_term_per_use():
+    """Its gradient is a sum over uses that an implementation may associate differently across
+    micro-batches (a W=2 fuzz counterexample, seed 181), so each use is a term of the bound."""
+    from harness.shadow import Shadow
+
+    spec = ModelSpec(2, 4, 1, (BlockSpec(width=2, tied=True),), OPTIMIZERS[0], accumulation=2, batch_per_rank=4,
+                     sync_every_micro=False, seed=181)
+    case = as_case(spec)
+    shadow = Shadow(case, spec.optimizer, init_state(spec), num_micro=spec.accumulation)
+    rec = shadow.step(init_state(spec), case.make_batch(case.seed, 1, case.global_batch), "split", 2)
+    tied = "blocks.0.mix.weight"
+    assert rec["num_terms"][tied] == 2 * 2 * 2 and rec["num_terms"]["blocks.0.lin.weight"] == 2 * 2
+    assert (rec["abs_grads"][tied] >= rec["grads"][tied].abs()).all()
+    assert shadow.plain.blocks[0].mix_t.weight is shadow.plain.blocks[0].mix.weight  # tied again after the step
