@@ -28,6 +28,7 @@ from harness.plan import Cell, build_plan
 from harness.report import build_report, report_files, step_rows
 from harness.report_view import margin_class
 from harness.verdict import CellResult
+from scratch_repo import REPO, harness
 
 STEPS = 3
 
@@ -110,6 +111,30 @@ def test_junit_parsed_by_junitparser_has_time_skipped_failures_errors_and_the_en
     assert (props["environment.backend"], props["environment.device"], props["environment.threads_per_rank"]) == \
         ("gloo", "cpu", "1")
     assert props["environment.torch"] == report.environment["torch"]
+
+
+@pytest.mark.slow
+def test_a_real_gates_junit_has_times_a_skipped_cell_and_the_first_divergence(tmp_path):
+    """A real gate: ours with a planted bug fails on mlp (zero1 never reduce-scatters, so the bug is
+    not on its path), fsdp2 passes, fsdp2 on zero1 is skipped."""
+    out = tmp_path / "gate"
+    rc, log = harness(["gate", "--cases", "mlp,zero1", "--impls", "ours,fsdp2", "--world-sizes", "2", "--data",
+                       "identical", "--steps", "1", "--faults", "no_grad_average", "--out", str(out), "--quiet"],
+                      cwd=REPO, timeout=900)
+    assert rc == 1, log[-4000:]
+    (suite,) = JUnitXml.fromfile(str(out / "junit.xml"))
+    cases = {case.name: case for case in suite}
+    ran = ["mlp.ours.w2.identical.no_grad_average", "mlp.fsdp2.w2.identical", "zero1.ours.w2.identical.no_grad_average"]
+    assert all(cases[name].time > 0 for name in ran), {n: c.time for n, c in cases.items()}
+    assert cases["mlp.fsdp2.w2.identical"].is_passed and cases["zero1.ours.w2.identical.no_grad_average"].is_passed
+    (failure,) = cases[ran[0]].result
+    assert isinstance(failure, Failure) and failure.message.startswith(f"{ran[0]} optimizer=")
+    assert " grad: '" in failure.message and "> tol=" in failure.message, failure.message
+    (skipped,) = cases["zero1.fsdp2.w2.identical"].result
+    assert isinstance(skipped, Skipped) and "ZeRO-1" in skipped.message
+    assert (suite.tests, suite.failures, suite.errors, suite.skipped) == (6, 1, 0, 1)  # + ref.mlp, ref.zero1
+    summary = json.loads((out / "summary.json").read_text())
+    assert {p.name: p.value for p in suite.properties()}["environment.torch"] == summary["environment"]["torch"]
 
 
 # -- steps.csv ------------------------------------------------------------------------------------
