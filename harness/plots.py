@@ -87,7 +87,7 @@ def loss_figure(view: CaseView) -> str:
                 losses = view.losses(r, opt)
                 steps |= set(losses)
                 ax.plot(list(losses), list(losses.values()), label=cell_label(r), **style.of(r))
-            ax.set_title(f"{view.case} / {opt}: loss")
+            ax.set_title(f"{view.case} / {opt}")
             ax.set_ylabel("loss (mean over ranks)")
             _steps_axis(ax, steps)
         fig.legend(handles=style.legend_handles(), loc="outside right center", frameon=False)
@@ -121,7 +121,7 @@ def trajectory_figure(view: CaseView) -> str | None:
                 ax.plot(xs, [t for _, t in points.values()], color=s["color"], linestyle=(0, (2, 2)),
                         linewidth=0.9, alpha=0.8, zorder=1)
             ax.set_yscale("log")
-            ax.set_title(f"{view.case} / {opt}: trajectory vs bound")
+            ax.set_title(f"{view.case} / {opt}")
             ax.set_ylabel("max |param - reference|")
             _steps_axis(ax, steps or {1})
         handles = style.legend_handles(with_reference=False)

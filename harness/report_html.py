@@ -18,24 +18,16 @@ import jinja2
 from harness.diff import CHECK_ORDER
 from harness.plots import loss_figure, trajectory_figure
 from harness.report import Report, _fmt, error_model_rows, step_rows
-from harness.report_view import (case_views, cell_label, check_detail, check_margins, margin_class, skipped_groups,
-                                 verdict_counts, worst_judged)
+from harness.report_view import (case_views, cell_label, check_detail, check_margins, margin_class, margin_text,
+                                 skipped_groups, verdict_counts, worst_judged)
 from harness.tolerance import TRAJECTORY_FACTOR
 from harness.verdict import CellResult
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 
-def _margin_text(m: float | None) -> str:
-    if m is None:
-        return "-"
-    if not math.isfinite(m):
-        return str(m)
-    return "0.0" if m == 0 else f"{m:.2g}"
-
-
 def _entry(margin: float | None, title: str) -> dict:
-    return {"css": margin_class(margin), "text": _margin_text(margin), "title": title}
+    return {"css": margin_class(margin), "text": margin_text(margin), "title": title}
 
 
 def _env_line(env: dict) -> str:
@@ -51,7 +43,7 @@ def _failures(report: Report) -> list[dict]:
         if r.verdict == "fail":
             v = r.first_divergence
             out.append({"cell_id": r.cell.cell_id,
-                        "headline": f"{v.check} at step {v.step}, |diff| / tol = {_margin_text(v.ratio)}",
+                        "headline": f"{v.check} at step {v.step}, |diff| / tol = {margin_text(v.ratio)}",
                         "detail": v.describe(r.cell.cell_id).removeprefix(r.cell.cell_id + " ")})
         elif r.verdict == "error":
             lines = (r.error or "").strip().splitlines()
@@ -68,8 +60,8 @@ def _grid_entry(r: CellResult, time_s: float | None) -> dict:
         return {"css": "v-fail", "text": f"FAIL {first.check}", "title": first.describe(r.cell.cell_id)}
     if r.verdict == "error":
         return {"css": "v-error", "text": "ERROR", "title": (r.error or "").strip()[:500]}
-    return {"css": margin_class(margin), "text": f"pass {_margin_text(margin)}",
-            "title": f"{r.cell.cell_id}: worst margin {check}={_margin_text(margin)}{took}; {check_detail(r, check)}"}
+    return {"css": margin_class(margin), "text": f"pass {margin_text(margin)}",
+            "title": f"{r.cell.cell_id}: worst margin {check}={margin_text(margin)}{took}; {check_detail(r, check)}"}
 
 
 def _grids(report: Report) -> list[dict]:

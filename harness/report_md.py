@@ -6,12 +6,13 @@ import pandas as pd
 
 from harness.diff import JUDGED
 from harness.report import Report, _fmt, cell_row, error_model_rows, first_check
-from harness.report_view import case_views, cell_label, skipped_groups, verdict_counts
+from harness.report_view import case_views, cell_label, margin_text, skipped_groups, verdict_counts
 from harness.tolerance import TRAJECTORY_FACTOR
 
 
 def _md_table(rows: list[dict]) -> str:
-    return pd.DataFrame(rows).to_markdown(index=False) if rows else "(none)"
+    # disable_numparse: "0.49" and "4e-03" stay as written, not reformatted as numbers
+    return pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True) if rows else "(none)"
 
 
 def _verdict_rows(report: Report) -> list[dict]:
@@ -20,7 +21,7 @@ def _verdict_rows(report: Report) -> list[dict]:
         row = cell_row(r)
         rows.append({"case": row["case"], "impl": row["impl"], "W": row["world_size"], "data": row["data"],
                      "verdict": row["verdict"], "first check": first_check(r) or "-",
-                     **{f"margin {c}": _fmt(row[f"margin_{c}"]) for c in JUDGED},
+                     **{f"margin {c}": margin_text(row[f"margin_{c}"]) for c in JUDGED},
                      "exact checks": "fail" if any(v.check not in JUDGED for v in r.violations) else
                                      ("pass" if r.optimizers else "n/a"),
                      "bitwise = reference": row["bitwise_equal"] if row["bitwise_equal"] is not None else "n/a",

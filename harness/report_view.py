@@ -25,6 +25,20 @@ def margin_class(margin: float | None) -> str:
     return "near" if margin <= 1.0 else "over"
 
 
+def margin_text(margin: float | None) -> str:
+    """Below 1, truncated to two decimals so that the text never rounds into the next band
+    (0.4996 reads 0.49, shown green, not 0.5)."""
+    if margin is None:
+        return "-"
+    if not math.isfinite(margin):
+        return str(margin)
+    if margin == 0:
+        return "0.0"
+    if margin < 0.01:
+        return f"{margin:.0e}"
+    return f"{math.floor(margin * 100) / 100:.2f}" if margin < 1 else f"{margin:.3g}"
+
+
 def cell_label(r: CellResult) -> str:
     c = r.cell
     faults = f" +{','.join(c.faults)}" if c.faults else ""

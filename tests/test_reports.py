@@ -26,7 +26,7 @@ from harness.gate import add_gate_files
 from harness.orchestrate import RunOutcome
 from harness.plan import Cell, build_plan
 from harness.report import build_report, report_files, step_rows
-from harness.report_view import margin_class
+from harness.report_view import margin_class, margin_text
 from harness.verdict import CellResult
 from scratch_repo import REPO, harness
 
@@ -219,7 +219,7 @@ def test_the_html_shows_verdict_failures_and_loss_curves_first_and_colours_margi
     assert len(page.svg_at) == 2 and loss < page.svg_at[0] < page.index("Trajectory against its judged bound")
     # verdict grid: the failing cell, the crashed one, the skipped one, a pass with its worst margin
     assert page.cls("FAIL grad") == "v-fail" and page.cls("ERROR") == "v-error" and page.cls("skipped") == "v-skipped"
-    assert page.cls("pass 0.7") == "near"  # the passing cell's adamw grad came 0.7 of its tolerance
+    assert page.cls("pass 0.70") == "near"  # the passing cell's adamw grad came 0.7 of its tolerance
     # heatmap of margins: by |diff| / tolerance, not by |diff|
     assert page.cls("56") == "over" and page.cls("inf") == "over"
     assert "no counterpart here" in {t for t, _ in page.texts}
@@ -229,6 +229,12 @@ def test_the_html_shows_verdict_failures_and_loss_curves_first_and_colours_margi
                                          (math.inf, "over"), (math.nan, "nan"), (None, "na")])
 def test_margin_bands(margin, css):
     assert margin_class(margin) == css
+
+
+@pytest.mark.parametrize("margin, text", [(0.4996, "0.49"), (0.5, "0.50"), (0.999, "0.99"), (1.0, "1"), (56.3, "56.3"),
+                                          (0.0, "0.0"), (0.004, "4e-03"), (math.inf, "inf"), (None, "-")])
+def test_margin_text_never_rounds_into_the_next_band(margin, text):
+    assert margin_text(margin) == text
 
 
 # -- the environment and baselines ---------------------------------------------------------------
