@@ -45,7 +45,7 @@ def build_report(cells, references, matrices, outcome: RunOutcome, command: str)
                   outcome.plan.run_id, dict(outcome.cell_wall_s))
 
 
-def _fmt(x: float | None) -> str:
+def fmt_value(x: float | None) -> str:
     if x is None:
         return "n/a"
     if not math.isfinite(x):

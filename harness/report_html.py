@@ -17,7 +17,7 @@ import jinja2
 
 from harness.diff import CHECK_ORDER
 from harness.plots import loss_figure, trajectory_figure
-from harness.report import Report, _fmt, error_model_rows, step_rows
+from harness.report import Report, fmt_value, error_model_rows, step_rows
 from harness.report_view import (case_views, cell_label, check_detail, check_margins, margin_class, margin_text,
                                  skipped_groups, verdict_counts, worst_judged)
 from harness.tolerance import TRAJECTORY_FACTOR
@@ -106,7 +106,7 @@ def _cell_steps(report: Report) -> list[dict]:
             entries = []
             for c in CHECK_ORDER:
                 margin = row.get(f"{c}_margin")
-                title = "" if margin is None else (f"max |diff|={_fmt(row[f'{c}_max_diff'])} tol={_fmt(row[f'{c}_tol'])}"
+                title = "" if margin is None else (f"max |diff|={fmt_value(row[f'{c}_max_diff'])} tol={fmt_value(row[f'{c}_tol'])}"
                                                    f" at '{row[f'{c}_name']}'")
                 entries.append(_entry(margin, title))
             loss, ref = row.get("loss"), row.get("loss_reference")
@@ -137,7 +137,7 @@ def _matrices(report: Report) -> list[dict]:
             entries = []
             for v in values:
                 style, css = _magnitude_style(v)
-                entries.append({"style": style, "css": css, "text": _fmt(v)})
+                entries.append({"style": style, "css": css, "text": fmt_value(v)})
             rows.append({"label": label, "entries": entries})
         out.append({"title": f"{m.case} / {m.impl} / {m.data_mode} / {m.optimizer}", "labels": m.labels, "rows": rows})
     return out
@@ -148,7 +148,8 @@ def _tolerances(report: Report) -> tuple[list[str], list[dict]]:
     headers = list(rows[0]) if rows else []
     out = []
     for row in rows:
-        values = [_fmt(v) if isinstance(v, float) or v is None else v for v in row.values()]
+        values = [fmt_value(v) if isinstance(v, float) or v is None else v for v in row.values()]
+        values[-1] = margin_text(row["margin (worst cell)"])
         css = ["text"] * 3 + [""] * (len(values) - 4) + [margin_class(row["margin (worst cell)"])]
         out.append({"cells": values, "css": css})
     return headers, out

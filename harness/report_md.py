@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.diff import JUDGED
-from harness.report import Report, _fmt, cell_row, error_model_rows, first_check
+from harness.report import Report, fmt_value, cell_row, error_model_rows, first_check
 from harness.report_view import case_views, cell_label, margin_text, skipped_groups, verdict_counts
 from harness.tolerance import TRAJECTORY_FACTOR
 
@@ -88,7 +88,7 @@ def render_markdown(report: Report) -> str:
             for r in view.cells:
                 points = view.trajectory(r, opt)
                 if points:
-                    rows.append({"run": cell_label(r), **{f"step {s}": f"{_fmt(d)} / {_fmt(t)}"
+                    rows.append({"run": cell_label(r), **{f"step {s}": f"{fmt_value(d)} / {fmt_value(t)}"
                                                           for s, (d, t) in points.items()}})
             if rows:
                 out.append(f"### {view.case} / {opt}\n")
@@ -101,7 +101,7 @@ def render_markdown(report: Report) -> str:
                "per-step checks and the trajectory bound above.\n")
     for m in report.matrices:
         out.append(f"### {m.case} / {m.impl} / {m.data_mode} / {m.optimizer}\n")
-        rows = [{"W": a, **{b: _fmt(v) for b, v in zip(m.labels, vals)}} for a, vals in zip(m.labels, m.values)]
+        rows = [{"W": a, **{b: fmt_value(v) for b, v in zip(m.labels, vals)}} for a, vals in zip(m.labels, m.values)]
         out.append(_md_table(rows) + "\n")
     out.append("## Tolerances used\n")
     out.append("Loss, init, replicas and padding are exact. Per element: grad tol = gamma_n(u) x sum|local "
@@ -109,7 +109,7 @@ def render_markdown(report: Report) -> str:
                "reduce dtype; param tol = that bound pushed through clipping and the optimizer with the shadow's "
                f"state; trajectory tol = {TRAJECTORY_FACTOR:g} x the perturbed references' deviation. "
                "See docs/error_model.md.\n")
-    rows = [{k: (_fmt(v) if isinstance(v, float) or v is None else v) for k, v in row.items()}
+    rows = [{k: (fmt_value(v) if isinstance(v, float) or v is None else v) for k, v in row.items()}
             for row in error_model_rows(report)]
     out.append(_md_table(rows) + "\n")
     out.append("## Environment\n")
