@@ -337,6 +337,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
 
     zero = torch.zeros((), dtype=torch.float64)
     for name, p in snap["init"]["params"].items():
+        stats["nonfinite"].add(p.numel())
         v = _nonfinite(kind, 0, name, p, layouts.get(name))
         if v:
             viol.append(v)
@@ -367,17 +368,20 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         _require_finite("parameter", step, shadow["params"])
 
         # nonfinite: the cell's own values, first occurrence named
+        stats["nonfinite"].add(rec["loss"].numel())
         for r, value in enumerate(rec["loss"].tolist()):
             if not torch.isfinite(torch.tensor(value)):
                 viol.append(Violation(kind, step, "nonfinite", "<loss>", float("inf"), float("inf"), 0.0, value,
                                       float("nan"), rank=r))
         for group in (rec["grads"], rec["params"]):
             for name, t in group.items():
+                stats["nonfinite"].add(t.numel())
                 v = _nonfinite(kind, step, name, t, layouts.get(name))
                 if v:
                     viol.append(v)
         for key, rows in list(rec["shards"].items()) + [(k + " (grad)", t) for k, t in rec["shard_grads"].items()]:
             for r in range(rows.shape[0]):
+                stats["nonfinite"].add(rows[r].numel())
                 v = _nonfinite(kind, step, key, rows[r], None, rank=r)
                 if v:
                     viol.append(v)

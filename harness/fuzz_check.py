@@ -29,6 +29,8 @@ class ExampleResult:
     margins: dict[str, float] = field(default_factory=dict)  # check -> max |diff| / tol
     error: str | None = None  # a rank raised, died or hung
     rank_s: float = 0.0  # the slowest rank's time on the example (training and snapshots)
+    checks: dict[str, dict] = field(default_factory=dict)  # check -> what it compared (CheckStats.summary)
+    aligned_numels: dict[str, int] = field(default_factory=dict)  # flat key -> numel the sharding divides
 
     @property
     def ok(self) -> bool:
@@ -112,7 +114,8 @@ def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = ()) -
     result = check_snapshot(snap, {n: init[n] for n in names}, None, case=as_case(spec))
     missing = sorted(set(dict(as_case(spec).build_model().named_parameters())) - set(names))
     out = ExampleResult(spec, faults, result.violations, result.margins,
-                        rank_s=max(float(r.get("rank_s", 0.0)) for r in replies))
+                        rank_s=max(float(r.get("rank_s", 0.0)) for r in replies), checks=result.checks,
+                        aligned_numels={lay["flat_key"]: lay["aligned_numel"] for lay in snap["layouts"].values()})
     if missing:  # a parameter the shards never mention is evidence lost, not a pass
         out.error = f"parameters missing from every rank's shards: {missing}"
     return out

@@ -70,13 +70,34 @@ def _baseline_case(out: Path) -> ET.Element:
     return next(c for c in root.findall("testcase") if c.get("name") == "baseline.mlp")
 
 
+GATE_CELLS = {"mlp.ours.w1.identical", "mlp.ours.w1.split", "ref.mlp", "baseline.mlp"}
+
+
+def _junit_names(out: Path) -> set[str]:
+    return {c.get("name") for c in ET.parse(out / "junit.xml").getroot().findall("testcase")}
+
+
+def _expected_num_checked(steps: int) -> int:
+    """Values the baseline compares for mlp: per optimizer, the init digests (sum and norm of every
+    parameter), then per step the loss and the digests of every gradient and parameter."""
+    from cases.catalog import get_case
+
+    case = get_case("mlp")
+    params = list(case.build_model().named_parameters())
+    trainable = sum(p.requires_grad for _, p in params)
+    return len(case.optimizers) * (2 * len(params) + steps * (1 + 2 * trainable + 2 * len(params)))
+
+
 @pytest.mark.slow
 def test_recorded_baseline_passes_and_a_foreign_copy_is_refused(recorded, tmp_path):
     rc, out = harness(["gate", *CHEAP, "--world-sizes", "1", "--baseline", str(recorded), "--out", str(tmp_path / "gate"),
                        "--quiet"], cwd=REPO, timeout=600)
     assert rc == 0, out[-4000:]
+    assert _junit_names(tmp_path / "gate") == GATE_CELLS
     assert len(_baseline_case(tmp_path / "gate")) == 0
-    assert "| baseline.mlp | pass |" in (tmp_path / "gate" / "summary.md").read_text()
+    summary = (tmp_path / "gate" / "summary.md").read_text()
+    checked = re.search(r"\| baseline\.mlp \| pass \| \| (\d+) values within tolerance", summary)
+    assert checked and int(checked.group(1)) == _expected_num_checked(steps=2), summary
 
     foreign = tmp_path / "foreign.json"
     foreign.write_text(json.dumps(_foreign(json.loads(recorded.read_text()), torch="2.5.1")))
@@ -97,6 +118,7 @@ def test_a_scaled_layer_init_fails_the_baseline_while_the_sharding_checks_pass(r
     assert failure.get("message").startswith(f"baseline {recorded}: case=mlp optimizer=")
     assert "step=0 init 'layers.0.weight'" in failure.get("message")
     root = ET.parse(tmp_path / "gate" / "junit.xml").getroot()
+    assert _junit_names(tmp_path / "gate") == GATE_CELLS
     others = [c for c in root.findall("testcase") if c.get("name") != "baseline.mlp"]
-    assert others and all(len(c) == 0 for c in others)  # the sharded runs still match their own reference
+    assert all(len(c) == 0 for c in others)  # the sharded runs still match their own reference
     assert f"BASELINE FAIL baseline {recorded}" in out

@@ -73,7 +73,16 @@ CELL = "mlp.single.w1.identical"
 
 def test_the_honest_evidence_passes(run):
     results, verdict = _judge(run)
+    assert set(results) == {CELL, "ref.mlp"}, sorted(results)
     assert verdict == "pass" and all(r.verdict == "pass" for r in results.values()), results
+    # Judged, not merely present: both optimizers, every step, every check that applies to impl=single
+    # (no raw shards: no padding) compared elements.
+    cell = results[CELL]
+    assert sorted(cell.optimizers) == ["adamw", "sgd"]
+    for kind, opt in cell.optimizers.items():
+        assert sorted({row["step"] for row in opt.per_step}) == list(range(1, STEPS + 1)), kind
+        compared = {c for c, st in opt.checks.items() if st["elements"] > 0}
+        assert compared == set(diff.CHECK_ORDER) - {"padding"}, (kind, compared)
 
 
 def _drop_last_step(snap):
@@ -148,6 +157,7 @@ def test_unreadable_or_missing_evidence_is_an_error_row_not_a_traceback(run):
 
     (run.init_dir / "mlp.pt").write_bytes(b"\0" * 10)
     results, verdict = _judge(run)
+    assert set(results) == {CELL, "ref.mlp"}, sorted(results)
     assert all(r.verdict == "error" and "initial state" in r.error for r in results.values()), results
 
 
@@ -155,6 +165,7 @@ def test_an_initial_state_of_another_run_is_refused(run):
     other = dataclasses.replace(run, run_id="f" * 32)
     results, verdict = _judge(other)
     assert verdict == "fail"
+    assert set(results) == {CELL, "ref.mlp"}, sorted(results)
     assert all("written by run" in r.error for r in results.values()), results
 
 

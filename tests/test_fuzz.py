@@ -92,7 +92,16 @@ def pin_examples(filename: str):
 def test_honest_examples_pass_at_w1(spec):
     result = run_example(InProcessPool(), spec)
     assert result.ok, result.summary()
-    assert set(result.margins) >= {"loss", "grad", "param", "padding"}
+    _assert_judged(result)
+
+
+def _assert_judged(result) -> None:
+    """Every check that applies to a fuzz example compared elements (replicas: the fuzzer assembles
+    full tensors from one set of shards, there is nothing to compare; padding: a unit of a single
+    parameter has none at W = 1)."""
+    empty = [c for c in ("nonfinite", "init", "loss", "grad", "param") if not result.checks[c]["elements"] > 0]
+    assert empty == [], (empty, result.spec.to_json())
+    assert result.checks["loss"]["elements"] == result.spec.steps * result.spec.world_size
 
 
 # Honest W = 1 examples with gradient accumulation that the old error model failed (ratios 1.0 to
@@ -102,6 +111,7 @@ def test_honest_examples_pass_at_w1(spec):
 def test_honest_accumulation_examples_pass_at_w1(spec):
     result = run_example(InProcessPool(), spec)
     assert result.ok, result.summary()
+    _assert_judged(result)
 
 
 def _drop_grad_of_odd_units(spec, reply):
@@ -121,6 +131,7 @@ def test_a_planted_failure_is_caught_and_shrunk_to_a_minimal_model():
     first = minimal.first_divergence
     assert first is not None and first.check == "grad" and first.step == 1, minimal.summary()
     spec = minimal.spec
+    assert first.name in dict(build_model(spec).named_parameters()), first.name
     # Shrunk: one block, nothing nested, the fewest features and steps the strategy allows.
     assert len(spec.blocks) == 1 and spec.blocks[0].inner is None, spec
     assert spec.in_features == 1 and spec.steps == 2 and spec.accumulation == 1, spec

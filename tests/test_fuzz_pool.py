@@ -37,3 +37,37 @@ def test_planted_fault_fails_and_prints_a_shrunk_replayable_model(tmp_path):
     from harness.fuzz_spec import ModelSpec
 
     assert ModelSpec.from_json(spec).world_size == 2
+
+
+# The padding edges of a flat parameter at world size W: its aligned numel (parameters plus
+# alignment gaps, what the shards divide) below W, one short of a multiple of W, one past it.
+def _edges(w: int) -> dict[str, callable]:
+    return {"numel < W": lambda n: 0 < n < w,
+            "W*k - 1": lambda n: n > w and n % w == w - 1,
+            "W*k + 1": lambda n: n > w and n % w == 1}
+
+
+NUM_EXAMPLES = 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_honest_examples_through_the_rank_pool_pass_and_reach_every_padding_edge(tmp_path, world_size):
+    from harness.fuzz import format_failure, fuzz
+    from harness.fuzz_pool import PoolConfig, RankPool
+
+    results = []
+    with RankPool(PoolConfig(world_size, tmp_path / "logs", example_timeout_s=600.0)) as pool:
+        stats = fuzz(pool, world_size, max_examples=NUM_EXAMPLES, seed=1,
+                     on_example=lambda _, result: results.append(result))
+    assert not stats.failures, format_failure(stats.failures[-1])
+    assert len(results) == NUM_EXAMPLES and all(r.ok for r in results)
+    for r in results:
+        assert r.spec.world_size == world_size
+        empty = [c for c in ("nonfinite", "init", "loss", "grad", "param") if not r.checks[c]["elements"] > 0]
+        assert empty == [], (empty, r.spec.to_json())
+    # What the drawn models covered, measured on the flat parameters the ranks built.
+    numels = sorted({n for r in results for n in r.aligned_numels.values()})
+    missed = [edge for edge, hit in _edges(world_size).items() if not any(hit(n) for n in numels)]
+    assert missed == [], f"W={world_size}: no drawn flat parameter at {missed}; aligned numels seen: {numels}"
+    assert any(r.checks["padding"]["elements"] > 0 for r in results)

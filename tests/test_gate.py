@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from xml.etree import ElementTree as ET
 
 import pytest
 
+from judged import assert_judged
 from scratch_repo import REPO, harness
 
 sys.path.insert(0, str(REPO))
@@ -54,6 +56,10 @@ def test_gate_passes_with_junit_per_cell_and_a_step_summary(tmp_path):
     cells = {f"mlp.ours.w{w}.{d}" for w in (1, 2) for d in ("identical", "split")}
     assert set(cases) == cells | {"ref.mlp"}
     assert all(len(c) == 0 for c in cases.values())  # no failure, no error
+    rows = {c["cell_id"]: c for c in json.loads((out / "summary.json").read_text())["cells"]}
+    assert set(rows) == cells, sorted(rows)
+    for row in rows.values():
+        assert_judged(out, row, steps=2, padding=True)
     summary = (out / "summary.md").read_text()
     assert summary.startswith("## FSDP equivalence gate: PASS")
     assert all(f"| {cell} | pass |" in summary for cell in cells)
@@ -68,6 +74,9 @@ def test_a_planted_bug_fails_naming_the_parameter_and_a_crash_gets_its_row(tmp_p
                        "--out", str(out), "--quiet"], cwd=REPO, timeout=900)
     assert rc == 1, log[-4000:]
     cases = _junit(out)
+    assert set(cases) == {"mlp.ours.w2.identical.no_grad_average", "mlp.RaiseOnRank1.w2.identical", "ref.mlp"}, \
+        sorted(cases)
+    assert len(cases["ref.mlp"]) == 0  # the reference itself passed
     failure = cases["mlp.ours.w2.identical.no_grad_average"].find("failure")
     assert failure is not None
     # the first divergence: a gradient, named by its parameter, at step 1

@@ -11,7 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from filelock import FileLock
+
+from cases.catalog import _FEATURE_CASES, get_case
+from judged import assert_judged
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = "tests/test_harness_plugins.py"
@@ -19,31 +23,37 @@ MATRIX_CASES = ("mlp", "transformer")
 MATRIX_DATA = ("identical", "split")
 
 
-def _harness(args: list[str], timeout: float) -> tuple[int, str, float]:
+def _harness(args: list[str], timeout: float) -> tuple[int, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "harness", *args, "--quiet"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def _shared_run(tmp_path_factory, name: str, args: list[str], timeout: float = 900) -> dict:
-    """Run the harness once per session, whichever xdist worker asks first; others read its result."""
-    root = tmp_path_factory.getbasetemp().parent
+    """Run the harness once per session, whichever xdist worker asks first; others read its result.
+    The result lives in this session's own directory: xdist workers have their basetemp below it,
+    a plain pytest session is it (its parent is shared by every session of this user, whose
+    results must never be read as this run's)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     out = root / f"harness-{name}"
     done = root / f"harness-{name}.json"
     with FileLock(str(root / f"harness-{name}.lock")):
         if not done.exists():
-            rc, output, wall_s = _harness([*args, "--out", str(out)], timeout)
+            rc, output = _harness([*args, "--out", str(out)], timeout)
             summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None
-            done.write_text(json.dumps({"rc": rc, "output": output, "wall_s": wall_s, "summary": summary,
-                                        "out": str(out)}))
+            done.write_text(json.dumps({"rc": rc, "output": output, "summary": summary, "out": str(out)}))
     return json.loads(done.read_text())
 
 
 def _cells(run: dict) -> dict[str, dict]:
     assert run["summary"] is not None, run["output"][-3000:]
     return {c["cell_id"]: c for c in run["summary"]["cells"]}
+
+
+def _assert_judged(run: dict, cell: dict, steps: int, padding: bool) -> None:
+    assert_judged(Path(run["out"]), cell, steps, padding)
 
 
 def _option_list(config, name: str) -> list[str]:
@@ -65,18 +75,29 @@ def standard_matrix(request, tmp_path_factory):
     return _shared_run(tmp_path_factory, "matrix", ["run", "--impls", impls, "--world-sizes", world_sizes])
 
 
+def _matrix_ids(config) -> set[str]:
+    return {f"{case}.{impl}.w{w}.{data}" for case in MATRIX_CASES for impl in _option_list(config, "--impls")
+            for w in _option_list(config, "--world-sizes") for data in MATRIX_DATA}
+
+
 @pytest.mark.slow
 def test_matrix_cell_is_equivalent(standard_matrix, matrix_cell_id):
     cell = _cells(standard_matrix)[matrix_cell_id]
     assert cell["verdict"] == "pass", cell["first_divergence_text"] or cell["error"]
-    margins = [cell[k] for k in ("margin_loss", "margin_grad", "margin_param")]
-    assert max(margins) < 0.5, f"{matrix_cell_id}: honest margins {margins} not below half the tolerance"
+    _assert_judged(standard_matrix, cell, get_case(cell["case"]).steps, padding=cell["impl"] == "ours")
+    margins = {f"{kind}.{check}": checks[check]["margin"] for kind, checks in cell["checks"].items()
+               for check in ("loss", "grad", "param", "trajectory")}
+    assert max(margins.values()) < 0.5, f"{matrix_cell_id}: honest margins {margins} not below half the tolerance"
 
 
 @pytest.mark.slow
 def test_matrix_run_exits_0_with_bitwise_fsdp2_identical_cells_and_matrices(standard_matrix, request):
     assert standard_matrix["rc"] == 0, standard_matrix["output"][-3000:]
     cells = _cells(standard_matrix)
+    assert set(cells) == _matrix_ids(request.config), sorted(cells)
+    assert standard_matrix["summary"]["skipped"] == []
+    assert {r["case"]: r["verdict"] for r in standard_matrix["summary"]["references"]} == \
+        {case: "pass" for case in MATRIX_CASES}
     world_sizes = _option_list(request.config, "--world-sizes")
     if "fsdp2" in _option_list(request.config, "--impls"):
         for case in MATRIX_CASES:
@@ -97,30 +118,33 @@ def no_grad_average_run(tmp_path_factory):
         "--data", "identical,split", "--faults", "no_grad_average"])
 
 
+def _parameter_names(case: str) -> set[str]:
+    return {n for n, _ in get_case(case).build_model().named_parameters()}
+
+
+def _assert_caught_at_step_1(cell: dict, check: str) -> None:
+    """The cell failed, its first divergence is `check` at step 1 naming one of the case's
+    parameters, and every optimizer of the case has a violation of that check at step 1."""
+    assert cell["verdict"] == "fail", (cell["cell_id"], cell["error"])
+    first = cell["first_divergence"]
+    assert (first["check"], first["step"]) == (check, 1), first
+    assert first["name"] in _parameter_names(cell["case"]), first
+    assert f"step=1 {check}: '{first['name']}'" in cell["first_divergence_text"], cell["first_divergence_text"]
+    caught_by = {v["optimizer"] for v in cell["violations"] if (v["check"], v["step"]) == (check, 1)}
+    assert caught_by == {o.kind for o in get_case(cell["case"]).optimizers}, (cell["cell_id"], caught_by)
+
+
 @pytest.mark.slow
 def test_sum_without_average_fails_every_cell_with_sgd_and_adamw(no_grad_average_run):
     assert no_grad_average_run["rc"] == 1, no_grad_average_run["output"][-3000:]
-    for cell_id, cell in _cells(no_grad_average_run).items():
-        assert cell["verdict"] == "fail", cell_id
-        first = cell["first_divergence"]
-        assert first["step"] == 1 and first["check"] == "grad", first
-        assert first["rank"] in (0, 1) and first["name"], first
-        text = cell["first_divergence_text"]
-        assert f"step=1 grad: '{first['name']}'" in text and f"rank {first['rank']}'s shard" in text
-    # Both optimizers caught it (the gradient check does not rely on the parameters moving).
-    junit = (Path(no_grad_average_run["out"]) / "junit.xml").read_text()
-    assert "optimizer=sgd" in junit and "optimizer=adamw" in junit
-
-
-def _failing_checks(run: dict) -> dict[str, str]:
-    """cell id -> the check of its first divergence (every cell must have failed)."""
-    cells = _cells(run)
-    assert cells and run["rc"] == 1, run["output"][-3000:]
-    out = {}
-    for cell_id, cell in cells.items():
-        assert cell["verdict"] == "fail", (cell_id, cell["error"])
-        out[cell_id] = cell["first_divergence"]["check"]
-    return out
+    cells = _cells(no_grad_average_run)
+    assert set(cells) == {f"{c}.ours.w2.{d}.no_grad_average" for c in ("mlp", "transformer")
+                          for d in ("identical", "split")}, sorted(cells)
+    for cell in cells.values():
+        # Both optimizers caught it (the gradient check does not rely on the parameters moving).
+        _assert_caught_at_step_1(cell, "grad")
+        assert cell["first_divergence"]["rank"] in (0, 1), cell["first_divergence"]
+        assert f"rank {cell['first_divergence']['rank']}'s shard" in cell["first_divergence_text"]
 
 
 # Planted errors the error model must catch (docs/error_model.md): each run's cells all fail, on
@@ -149,9 +173,17 @@ PLANTED = {
 def test_planted_error_is_caught_by_its_check(tmp_path_factory, name):
     args, check, expected_ids = PLANTED[name]
     run = _shared_run(tmp_path_factory, f"planted-{name}", ["run", "--impls", "ours", *args])
-    checks = _failing_checks(run)
-    assert set(checks) == expected_ids, sorted(checks)
-    assert set(checks.values()) == {check}, checks
+    assert run["rc"] == 1, run["output"][-3000:]
+    cells = _cells(run)
+    assert set(cells) == expected_ids, sorted(cells)
+    for cell in cells.values():
+        if check == "replicas":  # a digest per tensor: the gradient of a parameter, on the rank that drifted
+            assert cell["verdict"] == "fail" and cell["first_divergence"]["step"] == 1, cell["first_divergence"]
+            first = cell["first_divergence"]
+            assert first["check"] == "replicas" and first["name"].removesuffix(" (grad)") in _parameter_names(
+                cell["case"]) and first["rank"] is not None, first
+        else:
+            _assert_caught_at_step_1(cell, check)
 
 
 @pytest.mark.slow
@@ -160,18 +192,83 @@ def test_a_drift_every_step_hides_fails_on_the_trajectory_and_the_honest_twin_pa
         "run", "--cases", "mlp", "--impls", f"ours,{PLUGINS}:DriftOneUlpPerStep", "--world-sizes", "2",
         "--data", "split", "--steps", "12"])
     cells = _cells(run)
-    assert set(cells) == {"mlp.ours.w2.split", "mlp.drift_one_ulp_per_step.w2.split"} or \
-        set(cells) == {"mlp.ours.w2.split", "mlp.DriftOneUlpPerStep.w2.split"}, sorted(cells)
+    assert set(cells) == {"mlp.ours.w2.split", "mlp.DriftOneUlpPerStep.w2.split"}, sorted(cells)
     honest = cells["mlp.ours.w2.split"]
     assert honest["verdict"] == "pass", honest["first_divergence_text"] or honest["error"]
-    drift = next(c for i, c in cells.items() if i != "mlp.ours.w2.split")
+    drift = cells["mlp.DriftOneUlpPerStep.w2.split"]
     assert drift["verdict"] == "fail", drift["error"]
     assert set(drift["failed_checks"]) == {"trajectory"}, drift["failed_checks"]
-    # Every check compared something at every optimizer, and the drift passed each step's checks.
+    first = drift["first_divergence"]
+    assert first["check"] == "trajectory" and 1 < first["step"] <= 12, first
+    assert first["name"] in _parameter_names("mlp"), first
+    # Every check compared something at every optimizer and step, and the drift passed each step's checks.
+    for cell in (honest, drift):
+        _assert_judged(run, cell, 12, padding=True)
     for opt, checks in drift["checks"].items():
-        for check in ("init", "loss", "grad", "param", "replicas", "padding", "trajectory"):
-            assert checks[check]["elements"] > 0, (opt, check)
         assert checks["param"]["margin"] <= 1.0, (opt, checks["param"])
+
+
+# -- every feature case at W = 2 and 4, ours and fsdp2, in one run (one launch per world size) -----
+
+FEATURE_WORLD_SIZES = (2, 4)
+# Three steps: state_dict_reshard reshards its checkpoint after step 2, so step 3 trains from the
+# resharded state. Split data: every rank's local batch differs, the reduction is exercised.
+FEATURE_STEPS = 3
+# Cells an implementation cannot run: listed in summary.json "skipped" with the plan's reason.
+FSDP2_LACKS = {"auto_wrap": "no auto-wrap policies", "auto_wrap_size": "no auto-wrap policies",
+               "zero1": "no optimizer-state-only sharding", "state_dict_reshard": "torch.distributed.checkpoint"}
+# The suite runs on CPU ranks (gloo): without a visible GPU cpu_offload is planned and skipped; with
+# one it is left out (it would need --device cuda).
+FEATURE_CASES = tuple(c.name for c in _FEATURE_CASES
+                      if not (c.features.requires_device == "cuda" and torch.cuda.is_available()))
+
+
+def _feature_expectation() -> tuple[set[str], dict[str, str]]:
+    """(cell ids that must run and pass, cell id -> a phrase of the reason it is skipped)."""
+    cells, skipped = set(), {}
+    for name in FEATURE_CASES:
+        case = get_case(name)
+        for impl in ("ours", "fsdp2"):
+            for w in FEATURE_WORLD_SIZES:
+                cell_id = f"{name}.{impl}.w{w}.split"
+                if case.features.requires_device == "cuda":
+                    skipped[cell_id] = "needs a CUDA device"
+                elif impl == "fsdp2" and name in FSDP2_LACKS:
+                    skipped[cell_id] = FSDP2_LACKS[name]
+                else:
+                    cells.add(cell_id)
+    return cells, skipped
+
+
+@pytest.fixture(scope="session")
+def feature_run(tmp_path_factory):
+    return _shared_run(tmp_path_factory, "features", [
+        "run", "--cases", ",".join(FEATURE_CASES), "--impls", "ours,fsdp2",
+        "--world-sizes", ",".join(map(str, FEATURE_WORLD_SIZES)), "--data", "split",
+        "--steps", str(FEATURE_STEPS), "--timeout", "1500"], timeout=3000)
+
+
+@pytest.mark.slow
+def test_feature_run_has_exactly_the_expected_cells_skips_and_references(feature_run):
+    expected, skipped = _feature_expectation()
+    cells = _cells(feature_run)
+    assert set(cells) == expected, (sorted(set(cells) - expected), sorted(expected - set(cells)))
+    got_skipped = {s["cell_id"]: s["reason"] for s in feature_run["summary"]["skipped"]}
+    assert set(got_skipped) == set(skipped), sorted(set(got_skipped) ^ set(skipped))
+    for cell_id, phrase in skipped.items():
+        assert phrase in got_skipped[cell_id], (cell_id, got_skipped[cell_id])
+    references = {r["case"]: r["verdict"] for r in feature_run["summary"]["references"]}
+    assert references == {name: "pass" for name in FEATURE_CASES if any(c.startswith(name + ".") for c in expected)}
+    assert feature_run["rc"] == 0, feature_run["output"][-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell_id", sorted(_feature_expectation()[0]))
+def test_feature_cell_passes_with_every_check_judged(feature_run, cell_id):
+    cell = _cells(feature_run)[cell_id]
+    assert cell["verdict"] == "pass", cell["first_divergence_text"] or cell["error"]
+    # fsdp2 exposes no raw shards; ZeRO-1 keeps whole parameters (only optimizer state is sharded).
+    _assert_judged(feature_run, cell, FEATURE_STEPS, padding=cell["impl"] == "ours" and cell["case"] != "zero1")
 
 
 @pytest.fixture(scope="session")
@@ -185,15 +282,18 @@ def corrupt_run(tmp_path_factory):
 def test_one_corrupted_gathered_element_on_one_rank_is_caught(corrupt_run):
     assert corrupt_run["rc"] == 1, corrupt_run["output"][-3000:]
     report = (Path(corrupt_run["out"]) / "report.md").read_text()
-    for cell_id, cell in _cells(corrupt_run).items():
+    cells = _cells(corrupt_run)
+    assert set(cells) == {f"{c}.CorruptGatheredElement.w2.{d}" for c in ("mlp", "transformer")
+                          for d in ("identical", "split")}, sorted(cells)
+    for cell_id, cell in cells.items():
         assert cell["verdict"] == "fail", cell_id
         first = cell["first_divergence"]
-        assert first["step"] == 1 and first["check"] in ("loss", "grad"), first
-        if cell["data"] == "identical":  # only rank 1 computed with the corrupted element
-            assert first["check"] == "loss" and first["rank"] == 1, first
-            assert "on rank 1" in cell["first_divergence_text"]
-        grad_names = {v["name"] for v in cell["violations"] if v["check"] == "grad"}
-        assert grad_names, cell  # and the gradients it produced are named, parameter by parameter
+        # Each rank's local loss is replayed exactly, so the rank computing with the corrupted
+        # element fails the loss check at step 1, with identical or split data.
+        assert (first["step"], first["check"], first["rank"]) == (1, "loss", 1), first
+        assert "on rank 1" in cell["first_divergence_text"]
+        grad_names = {v["name"] for v in cell["violations"] if (v["check"], v["step"]) == ("grad", 1)}
+        assert grad_names and grad_names <= _parameter_names(cell["case"]), cell["violations"]
         assert cell["first_divergence_text"] in report
     summary = json.loads((Path(corrupt_run["out"]) / "summary.json").read_text())
     assert summary["verdict"] == "fail"
@@ -202,14 +302,16 @@ def test_one_corrupted_gathered_element_on_one_rank_is_caught(corrupt_run):
 @pytest.mark.slow
 def test_a_rank_that_raises_ends_the_run_names_the_rank_and_leaves_no_process(tmp_path):
     out = tmp_path / "raise"
-    rc, output, wall_s = _harness(["run", "--cases", "mlp", "--impls", f"{PLUGINS}:RaiseOnRank1",
-                                   "--world-sizes", "2", "--data", "identical", "--timeout", "120",
-                                   "--out", str(out)], timeout=300)
+    rc, output = _harness(["run", "--cases", "mlp", "--impls", f"{PLUGINS}:RaiseOnRank1",
+                           "--world-sizes", "2", "--data", "identical", "--timeout", "600",
+                           "--out", str(out)], timeout=900)
     assert rc == 1, output[-3000:]
-    assert wall_s < 120 + 10
     summary = json.loads((out / "summary.json").read_text())
     (cell,) = summary["cells"]
     assert cell["verdict"] == "error"
+    # The launch ended on the rank's failure, not on the launch's timeout (rank 0 was left waiting
+    # in a collective and had to be stopped).
+    assert "timed out" not in cell["error"], cell["error"][-2000:]
     assert "first failure: rank 1" in cell["error"]
     assert "[rank 1] RuntimeError: planted failure: rank 1 raises while wrapping" in cell["error"]
     assert "[rank 1] Traceback" in cell["error"]
@@ -220,11 +322,10 @@ def test_a_rank_that_raises_ends_the_run_names_the_rank_and_leaves_no_process(tm
 def test_a_rank_blocked_in_a_collective_times_out_with_its_stack_and_no_survivors(tmp_path):
     out = tmp_path / "hang"
     timeout = 60  # the launch's own start-up (import torch in 2 ranks) must fit, also under CI load
-    rc, output, wall_s = _harness(["run", "--cases", "mlp", "--impls", f"{PLUGINS}:HangOnRank1",
-                                   "--world-sizes", "2", "--data", "identical", "--timeout", str(timeout),
-                                   "--out", str(out)], timeout=300)
+    rc, output = _harness(["run", "--cases", "mlp", "--impls", f"{PLUGINS}:HangOnRank1",
+                           "--world-sizes", "2", "--data", "identical", "--timeout", str(timeout),
+                           "--out", str(out)], timeout=600)
     assert rc == 1, output[-3000:]
-    assert wall_s < timeout + 15, wall_s
     (cell,) = json.loads((out / "summary.json").read_text())["cells"]
     assert cell["verdict"] == "error" and "timed out" in cell["error"]
     assert "[rank 1]" in cell["error"] and "in wrap" in cell["error"], cell["error"][-2000:]
@@ -253,7 +354,7 @@ def _processes_mentioning(text: str) -> list[int]:
 ])
 def test_a_rank_failing_after_its_last_snapshot_errors_every_cell_of_its_launch(tmp_path, plugin, timeout_s, evidence):
     out = tmp_path / "out"
-    rc, output, _ = _harness(["run", "--cases", "mlp", "--impls", f"{PLUGINS}:{plugin}", "--world-sizes", "2",
+    rc, output = _harness(["run", "--cases", "mlp", "--impls", f"{PLUGINS}:{plugin}", "--world-sizes", "2",
                               "--data", "identical", "--steps", "1", "--timeout", str(timeout_s), "--out", str(out)],
                              timeout=timeout_s + 300)
     assert rc == 1, output[-3000:]
@@ -279,17 +380,17 @@ def test_runs_sharing_an_out_never_share_evidence(tmp_path):
     first = subprocess.Popen([sys.executable, "-m", "harness", "run", "--impls", "ours", *cheap], cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # a guard against waiting forever, not a speed claim
     while '"status": "running"' not in _read(out / ".harness-state.json"):
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
         time.sleep(0.2)
-    rc, output, _ = _harness(["run", "--impls", "ours", "--faults", "no_grad_average", *cheap], timeout=120)
+    rc, output = _harness(["run", "--impls", "ours", "--faults", "no_grad_average", *cheap], timeout=120)
     assert rc == 2, output[-3000:]
     assert len(output.strip().splitlines()) == 1 and f"--out={out} is in use by another harness run" in output, output
     assert first.wait(timeout=600) == 0, first.communicate()[0][-3000:]
     honest = json.loads((out / "summary.json").read_text())
 
-    rc, output, _ = _harness(["run", "--impls", "ours", "--faults", "no_grad_average", *cheap], timeout=600)
+    rc, output = _harness(["run", "--impls", "ours", "--faults", "no_grad_average", *cheap], timeout=600)
     assert rc == 1, output[-3000:]
     buggy = json.loads((out / "summary.json").read_text())
     assert buggy["run_id"] != honest["run_id"]

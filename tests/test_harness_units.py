@@ -11,7 +11,7 @@ from harness import cli
 from harness.diff import DiffStats, compare, owner_of, ulp_distance
 from harness.plan import Cell, PlanError, build_plan
 from harness.snapshot import FORMAT, load_snapshot, save_snapshot
-from harness.tolerance import OptimizerErrorState, ReductionModel, unit_roundoff
+from harness.tolerance import ReductionModel, unit_roundoff
 
 
 def test_ulp_distance_counts_representable_steps_across_zero():
@@ -34,58 +34,7 @@ def test_compare_reports_zero_only_when_bitwise_equal():
     assert diff.num_diff == 1 and diff.max_ulp == 1 and diff.max_abs > 0 and not diff.bitwise_equal
 
 
-def _reductions(terms: torch.Tensor, world_size: int) -> dict[str, torch.Tensor]:
-    """Honest ways to average K = world_size x M float32 terms (dim 0) the way sharded runs do."""
-    k = terms.size(0)
-    per_rank = [c.sum(0) for c in terms.chunk(world_size)]  # local accumulation, then the ranks
-    ring = per_rank[0].clone()
-    for t in per_rank[1:]:
-        ring = ring + t
-    tree = torch.stack(per_rank)
-    while tree.size(0) > 1:
-        tree = tree[0::2] + tree[1::2] if tree.size(0) % 2 == 0 else torch.cat([tree[:1], tree[1:2] + tree[2:]])
-    return {
-        "ring, divide after": ring / world_size,
-        "tree, divide after": tree[0] / world_size,
-        "divide before, sequential": sum((t / world_size for t in terms.unbind(0)), torch.zeros_like(terms[0])),
-        "sqrt-split divide": sum((t / 2 for t in per_rank), torch.zeros_like(terms[0])) / (world_size / 2),
-        "reversed": sum(reversed([t / world_size for t in per_rank]), torch.zeros_like(terms[0])),
-    }
-
-
-@pytest.mark.parametrize("world_size,num_micro", [(2, 1), (3, 1), (4, 2), (8, 1), (8, 2)])
-@pytest.mark.parametrize("seed", range(3))
-def test_reduction_bound_covers_every_honest_order_and_catches_small_scale_errors(world_size, num_micro, seed):
-    g = torch.Generator().manual_seed(seed)
-    k = world_size * num_micro
-    terms = torch.randn(k, 3000, generator=g) * torch.logspace(-6, 2, 3000)  # wide magnitudes
-    terms[:, :1000] -= terms[:, :1000].mean(0)  # heavy cancellation in some columns
-    exact = terms.double().sum(0) / world_size
-    abs_mean = terms.double().abs().sum(0) / world_size
-    model = ReductionModel(k, unit_roundoff(torch.float32))
-    bound = model.grad_bound(abs_mean)
-    margins = []
-    for how, mean in _reductions(terms, world_size).items():
-        diff = (mean.double() - exact).abs()
-        assert (diff <= bound).all(), (how, (diff / bound).max().item())
-        margins.append((diff / bound).max().item())
-    # Tight, not only valid: honest orders use a visible part of it ...
-    assert max(margins) > 0.05, margins
-    # ... and a uniform relative error a few times the bound escapes it.
-    scaled = list(_reductions(terms, world_size).values())[0] * (1 + 4 * model.relative)
-    assert ((scaled.double() - exact).abs() > bound).any()
-
-
-def test_identical_data_bound_is_a_few_ulps_and_catches_1e_6_at_every_w():
-    x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
-    for w in (1, 2, 4, 8):
-        model = ReductionModel(w, unit_roundoff(torch.float32))
-        assert model.relative < 12 * unit_roundoff(torch.float32)
-        honest = torch.stack([x] * w).sum(0) / w
-        bound = model.grad_bound(x.double().abs())
-        assert ((honest.double() - x.double()).abs() <= bound).all()
-        bad = honest * (1 + 1e-6)
-        assert ((bad.double() - x.double()).abs() > bound).any(), w
+# The reduction and parameter bounds are pinned from both sides in test_tolerance_bounds.py.
 
 
 def test_a_precision_too_low_to_judge_is_refused_not_passed():
@@ -110,44 +59,6 @@ def test_mixed_precision_reduction_uses_the_reduce_dtype_and_counts_the_cast():
     assert ReductionModel.for_cell(4, 2, bf16, fp32).u == unit_roundoff(bf16)  # local accumulation in bf16
     assert ReductionModel.for_cell(4, 1, fp32, bf16).casts == 1
     assert ReductionModel.for_cell(4, 1, fp32, None).casts == 0
-
-
-def _optimizer_drift(spec: OptimizerSpec, grads, deltas, grad_tols):
-    """Run shadow and candidate from the candidate's parameters each step (as the worker does),
-    the candidate's gradient off by `deltas`; return per step |param diff| and the bound
-    propagated from the admissible gradient errors `grad_tols`."""
-    shadow_p = torch.nn.Parameter(torch.linspace(-1, 1, grads[0].numel()))
-    cand_p = torch.nn.Parameter(shadow_p.detach().clone())
-    shadow_opt, cand_opt = spec.build([shadow_p]), spec.build([cand_p])
-    errors = OptimizerErrorState(spec, unit_roundoff(torch.float32))
-    out = []
-    for step, (grad, delta, tol) in enumerate(zip(grads, deltas, grad_tols), start=1):
-        with torch.no_grad():
-            shadow_p.copy_(cand_p)
-        shadow_p.grad, cand_p.grad = grad.clone(), grad + delta
-        shadow_opt.step()
-        cand_opt.step()
-        state = {k: v for k, v in shadow_opt.state[shadow_p].items() if isinstance(v, torch.Tensor)}
-        bound = errors.param_bound("p", step, tol.double(), grad, shadow_p.detach(), state)
-        out.append(((cand_p.detach().double() - shadow_p.detach().double()).abs(), bound))
-    return out
-
-
-@pytest.mark.parametrize("spec", [OptimizerSpec("sgd", lr=0.05, momentum=0.9),
-                                  OptimizerSpec("adamw", lr=1e-3, weight_decay=0.01)], ids=["sgd", "adamw"])
-def test_param_bound_covers_gradient_errors_pushed_through_the_optimizer(spec):
-    g = torch.Generator().manual_seed(1)
-    numel = 400
-    scales = torch.logspace(-12, -1, numel)  # includes |g| << eps, where Adam's sensitivity is lr/eps
-    grads = [torch.randn(numel, generator=g) * scales for _ in range(5)]
-    tols = [gr.abs() * 1e-5 + 1e-14 for gr in grads]
-    signs = [torch.sign(torch.randn(numel, generator=g)) for _ in grads]
-    within = [t * s for t, s in zip(tols, signs)]
-    for diff, bound in _optimizer_drift(spec, grads, within, tols):
-        assert (diff <= bound).all(), (diff - bound).max()
-    # Not vacuous: gradient errors 100x beyond the admissible ones escape the bound.
-    beyond = [100 * w for w in within]
-    assert any((d > b).any() for d, b in _optimizer_drift(spec, grads, beyond, tols))
 
 
 def test_local_batch_split_partitions_the_global_batch():

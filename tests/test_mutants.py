@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,5 +64,10 @@ def test_one_mutant_is_caught_and_the_table_is_written(tmp_path):
                            "--world-sizes", "2", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = (tmp_path / "mutants.md").read_text()
-    assert "| grad_accum_overwrite | yes | grad |" in text, text
-    assert "(none) (honest) | passes" in text and "below half the tolerance" in text, text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| mutant")]
+    assert [r.split(" | ")[0] for r in rows] == ["| (none) (honest)", "| grad_accum_overwrite"], rows
+    # The gate battery at W = 2: mlp and transformer x identical and split (4 cells, no accumulation:
+    # none fails); the fuzz corpus: 2 models, the accumulating one catches it.
+    assert re.search(r"\| grad_accum_overwrite \| yes \| grad \| [^|]+ \| 0/4, [12]/2 \|", text), text
+    assert "(none) (honest) | passes | - |" in text and "(max over 6 runs) | 0/4, 0/2 |" in text, text
+    assert "below half the tolerance" in text, text

@@ -162,11 +162,16 @@ def check_reduce_scatter(layout: FlatLayout, seed: int) -> None:
         for total, g in zip(summed, rank_grads):
             total += g
     summed_padded = flatten_padded(summed, layout)
+    # The expected shard is sliced here, not by shard_of: rank dst owns the dst-th of W equal
+    # pieces of the padded buffer, ceil(aligned_numel / W) elements each.
+    piece = -(-layout.aligned_numel // world_size)
+    assert summed_padded.numel() == piece * world_size
     for dst in range(world_size):
         out = torch.zeros(layout.shard_numel)  # (shard_numel,)
         for src in range(world_size):
             out += shard_of(padded_grads[src], layout, dst)
-        assert torch.equal(_bits(out), _bits(shard_of(summed_padded, layout, dst))), f"rank {dst}: wrong shard"
+        expected = summed_padded[dst * piece : (dst + 1) * piece]
+        assert torch.equal(_bits(out), _bits(expected)), f"rank {dst}: wrong shard"
         assert torch.all(_padding_of_shard(out, layout, dst) == 0), f"rank {dst}: non-zero padding after reduce-scatter"
 
 

@@ -1,0 +1,46 @@
+"""Assertions that a harness run judged what it claims (not a test module: pytest collects test_*.py).
+
+A cell that passes with zero steps, an optimizer missing or a check that compared nothing would
+pass "bitwise" vacuously; verdict-level tests call `assert_judged` on every cell they expect.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from cases.catalog import get_case
+from harness.diff import CHECK_ORDER
+
+
+def steps_recorded(out: Path) -> dict[tuple[str, str], dict[str, list[int]]]:
+    """(cell id, optimizer) -> quantity -> the steps with a non-empty row in out/steps.csv."""
+    recorded: dict[tuple[str, str], dict[str, list[int]]] = {}
+    with open(Path(out) / "steps.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            if int(row["numel"]) > 0:
+                recorded.setdefault((row["cell_id"], row["optimizer"]), {}).setdefault(row["quantity"], []).append(
+                    int(row["step"]))
+    return recorded
+
+
+def assert_judged(out: Path, cell: dict, steps: int, padding: bool) -> None:
+    """`cell` (a summary.json row of the run in `out`) was judged with every optimizer of its case
+    on steps 1..`steps`, and every check compared elements. `padding`: whether the cell has padded
+    raw shards (impl=ours and its subclasses, except ZeRO-1, whose parameters stay whole); fsdp2
+    and the plain module expose none, and there the padding check must have compared nothing."""
+    kinds = sorted(o.kind for o in get_case(cell["case"]).optimizers)
+    assert sorted(cell["optimizers"]) == kinds and sorted(cell["checks"]) == kinds, (cell["cell_id"], cell["optimizers"])
+    recorded = steps_recorded(out)
+    for kind in kinds:
+        checks = cell["checks"][kind]
+        assert set(checks) == set(CHECK_ORDER), (cell["cell_id"], kind, sorted(checks))
+        for check in CHECK_ORDER:
+            elements = checks[check]["elements"]
+            if check == "padding" and not padding:
+                assert elements == 0, (cell["cell_id"], kind, "padding compared elements it should not have")
+            else:
+                assert elements > 0, (cell["cell_id"], kind, check, "compared nothing")
+        per_quantity = recorded.get((cell["cell_id"], kind), {})
+        for quantity in ("loss", "grad", "param"):
+            assert per_quantity.get(quantity) == list(range(1, steps + 1)), (cell["cell_id"], kind, quantity, per_quantity)
