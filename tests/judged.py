@@ -13,22 +13,33 @@ from cases.catalog import get_case
 from harness.diff import CHECK_ORDER
 
 
+# Checks with a tolerance: steps.csv names, per step, the element nearest it (harness/report.py), so
+# a step where such a check compared nothing has an empty margin there.
+PER_STEP_CHECKS = ("grad", "param", "trajectory")
+
+
 def steps_recorded(out: Path) -> dict[tuple[str, str], dict[str, list[int]]]:
-    """(cell id, optimizer) -> quantity -> the steps with a non-empty row in out/steps.csv."""
+    """(cell id, optimizer) -> 'loss' or a check of PER_STEP_CHECKS -> the steps >= 1 of
+    out/steps.csv where the cell's loss, or that check's margin, is present."""
     recorded: dict[tuple[str, str], dict[str, list[int]]] = {}
     with open(Path(out) / "steps.csv", newline="") as f:
         for row in csv.DictReader(f):
-            if int(row["numel"]) > 0:
-                recorded.setdefault((row["cell_id"], row["optimizer"]), {}).setdefault(row["quantity"], []).append(
-                    int(row["step"]))
+            step = int(row["step"])
+            if step < 1:
+                continue
+            per = recorded.setdefault((row["cell_id"], row["optimizer"]), {})
+            for column, key in [("loss", "loss")] + [(f"{c}_margin", c) for c in PER_STEP_CHECKS]:
+                if row[column] != "":
+                    per.setdefault(key, []).append(step)
     return recorded
 
 
 def assert_judged(out: Path, cell: dict, steps: int, padding: bool) -> None:
     """`cell` (a summary.json row of the run in `out`) was judged with every optimizer of its case
-    on steps 1..`steps`, and every check compared elements. `padding`: whether the cell has padded
-    raw shards (impl=ours and its subclasses, except ZeRO-1, whose parameters stay whole); fsdp2
-    and the plain module expose none, and there the padding check must have compared nothing."""
+    on steps 1..`steps` (a loss and every tolerance check at each step), and every check compared
+    elements. `padding`: whether the cell has padded raw shards (impl=ours and its subclasses,
+    except ZeRO-1, whose parameters stay whole); fsdp2 and the plain module expose none, and there
+    the padding check must have compared nothing."""
     kinds = sorted(o.kind for o in get_case(cell["case"]).optimizers)
     assert sorted(cell["optimizers"]) == kinds and sorted(cell["checks"]) == kinds, (cell["cell_id"], cell["optimizers"])
     recorded = steps_recorded(out)
@@ -41,6 +52,6 @@ def assert_judged(out: Path, cell: dict, steps: int, padding: bool) -> None:
                 assert elements == 0, (cell["cell_id"], kind, "padding compared elements it should not have")
             else:
                 assert elements > 0, (cell["cell_id"], kind, check, "compared nothing")
-        per_quantity = recorded.get((cell["cell_id"], kind), {})
-        for quantity in ("loss", "grad", "param"):
-            assert per_quantity.get(quantity) == list(range(1, steps + 1)), (cell["cell_id"], kind, quantity, per_quantity)
+        per_step = recorded.get((cell["cell_id"], kind), {})
+        for key in ("loss",) + PER_STEP_CHECKS:
+            assert per_step.get(key) == list(range(1, steps + 1)), (cell["cell_id"], kind, key, per_step)
