@@ -64,7 +64,7 @@ def test_one_mutant_is_caught_and_the_table_is_written(tmp_path):
                            "--world-sizes", "2", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = (tmp_path / "mutants.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| mutant")]
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith(("| mutant", "| ---"))]
     assert [r.split(" | ")[0] for r in rows] == ["| (none) (honest)", "| grad_accum_overwrite"], rows
     # The gate battery at W = 2: mlp and transformer x identical and split (4 cells, no accumulation:
     # none fails); the fuzz corpus: 2 models, the accumulating one catches it.
