@@ -8,6 +8,8 @@ a NaN can never compare as "not greater"):
 - loss: each rank's local loss equals the shadow's replay of that rank's local computation exactly;
 - grad: the averaged gradient within the reduction bound of the exact mean of the local terms;
 - param: the parameters within that bound pushed through the optimizer (frozen ones exact);
+- bias: per gradient, the signs of its differences from the exact mean are fair coins (honest
+  rounding), not tilted upward (a shift) or along the gradient (a scale error);
 - replicas: every rank's full parameters and gradients bitwise equal (NO_SHARD, HSDP replicas);
 - padding: padded shard elements exactly zero;
 - trajectory: the free-running cell within TRAJECTORY_FACTOR x the perturbed references'
@@ -24,11 +26,12 @@ import torch
 
 from cases.catalog import Case, get_case
 from cases.features import DTYPES
-from harness.tolerance import (MAX_MEDIAN_RELATIVE_TOLERANCE, TRAJECTORY_FACTOR, OptimizerErrorState,
-                               ReductionModel, clip_coefficient_error, unit_roundoff)
+from harness.tolerance import (BIAS_FALSE_ALARM, MAX_MEDIAN_RELATIVE_TOLERANCE, TRAJECTORY_FACTOR,
+                               OptimizerErrorState, ReductionModel, clip_coefficient_error, sign_test_threshold,
+                               unit_roundoff)
 
-CHECK_ORDER = ("nonfinite", "init", "loss", "grad", "param", "replicas", "padding", "trajectory")
-JUDGED = ("grad", "param", "trajectory")  # the checks with a non-zero tolerance
+CHECK_ORDER = ("nonfinite", "init", "loss", "grad", "param", "bias", "replicas", "padding", "trajectory")
+JUDGED = ("grad", "param", "bias", "trajectory")  # the checks with a non-zero tolerance
 
 
 class ReferenceDiverged(ValueError):
@@ -108,7 +111,8 @@ class Violation:
     coords: tuple[int, ...] | None = None
     rank: int | None = None  # the rank whose shard holds the element (None: replicated)
     in_padding: bool = False
-    num_violating: int = 1  # elements of this tensor beyond tolerance
+    num_violating: int = 1  # elements of this tensor beyond tolerance (bias: the elements counted)
+    statistic: str | None = None  # bias: BIAS_STATISTICS key of the tilted count
 
     def sort_key(self) -> tuple:
         return (self.step, CHECK_ORDER.index(self.check), -self.ratio)
@@ -122,6 +126,12 @@ class Violation:
         if self.check == "replicas":
             return (f"{cell_id} optimizer={self.optimizer} step={self.step} replicas: {where}: rank {self.rank}'s "
                     f"full tensor differs bitwise from the other ranks' (replicas must be identical)")
+        if self.check == "bias":
+            count = round(self.actual * self.num_violating)
+            return (f"{cell_id} optimizer={self.optimizer} step={self.step} bias: {where}: {count} of its "
+                    f"{self.num_violating} differing elements {BIAS_STATISTICS[self.statistic]} "
+                    f"(honest rounding: half, +-{self.tol:.3g} at false-alarm probability {BIAS_FALSE_ALARM:g}); "
+                    f"|count - n/2| = {self.abs_diff:.3g} (ratio {self.ratio:.3g})")
         if self.check == "loss":
             owner = f"on rank {self.rank}"
         else:
@@ -204,6 +214,38 @@ def _tensor_violation(optimizer, step, check, name, actual, expected, tol, layou
         tol.reshape(-1)[index].item(), actual.reshape(-1)[index].item(), expected.reshape(-1)[index].item(),
         index, _coords(actual.shape, index), owner_of(layout, actual.shape, index), False, int(bad.sum().item()),
     ), max_ratio
+
+
+BIAS_STATISTICS = {
+    "upward": "differ upward (a shift)",
+    "along_gradient": "differ in the direction of the gradient (a scale error, or a term added or dropped)",
+}
+
+
+def _bias(optimizer, step, name, actual, expected) -> Violation | None:
+    """The sign test of one gradient against its exact mean: the more tilted of its two counts as
+    a Violation (ratio = |count - n/2| / threshold, > 1: failed), or None when no element differs."""
+    diff = (actual.double() - expected.double()).reshape(-1)
+    expected = expected.double().reshape(-1)
+    # Elements with one exact value are, as a rule, one computation repeated (a broadcast, duplicated
+    # rows): their errors are one coin, so each value counts once. Non-finite values fail elsewhere.
+    keep = (diff != 0) & diff.isfinite()
+    values, order = expected[keep].sort(stable=True)
+    first = torch.ones_like(values, dtype=torch.bool)
+    first[1:] = values[1:] != values[:-1]
+    diff, expected = diff[keep][order][first], values[first]
+    nonzero = expected != 0
+    counts = {"upward": (int((diff > 0).sum()), diff.numel()),
+              "along_gradient": (int(((diff > 0) == (expected > 0))[nonzero].sum()), int(nonzero.sum()))}
+    worst = None
+    for statistic, (count, n) in counts.items():
+        if n:
+            threshold = sign_test_threshold(n)
+            tilt = abs(count - n / 2)
+            if worst is None or tilt / threshold > worst.ratio:
+                worst = Violation(optimizer, step, "bias", name, tilt / threshold, tilt, threshold, count / n, 0.5,
+                                  num_violating=n, statistic=statistic)
+    return worst
 
 
 def _nonfinite(optimizer, step, name, tensor, layout, rank=None) -> Violation | None:
@@ -409,6 +451,13 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         for name, g in rec["grads"].items():
             judge("grad", step, name, g, shadow["grads"][name], grad_tols[name], layouts.get(name),
                   value=shadow["grads"][name])
+            tilt = _bias(kind, step, name, g, shadow["grads"][name])
+            stats["bias"].add(1, tilt.ratio if tilt else 0.0)
+            worst = step_worst.setdefault((step, "bias"), {})
+            if tilt and not tilt.ratio <= worst.get("margin", -1.0):
+                worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
+            if tilt and not tilt.ratio <= 1:
+                viol.append(tilt)
             p_ref = shadow["params"][name]
             judge("param", step, name, rec["params"][name], p_ref, param_tols[name], layouts.get(name), value=p_ref)
         for name in rec["params"].keys() - rec["grads"].keys():

@@ -23,6 +23,11 @@ The full derivation is docs/error_model.md; in short:
    fails on its own check; a reference that is not finite is an error (the case diverged).
 5. The trajectory (free-running cell vs free-running reference) is judged against the envelope of
    honest noise measured on the reference itself (see `TRAJECTORY_FACTOR`).
+6. Bias: an honest reduction's rounding errors carry no sign. Per gradient tensor, among the
+   elements that differ from the exact mean, the count that differ upward and the count that
+   differ in the direction of the gradient are each Binomial(n, 1/2); a shift or a scale error far
+   below the per-element bound moves them, and a count beyond Hoeffding's threshold at
+   `BIAS_FALSE_ALARM` fails.
 """
 
 from __future__ import annotations
@@ -47,6 +52,17 @@ NUM_PERTURBED_RUNS = 2
 # Above this median tolerance / |g| over a gradient's elements a check could not tell an honest run
 # from one whose gradients are off by that fraction: the cell is refused ("cannot verify").
 MAX_MEDIAN_RELATIVE_TOLERANCE = 0.125
+# The bias check's false-alarm probability per (tensor, step, statistic), under its hypothesis
+# (docs/error_model.md, "Bias"): a run of N such tests false-alarms with probability <= N times this.
+BIAS_FALSE_ALARM = 1e-12
+
+
+def sign_test_threshold(n: int, false_alarm: float = BIAS_FALSE_ALARM) -> float:
+    """t such that a count S ~ Binomial(n, 1/2) has P(|S - n/2| >= t) <= false_alarm (Hoeffding:
+    P <= 2 exp(-2 t^2 / n)). Infinite for n = 0: no evidence, no verdict."""
+    if n <= 0:
+        return math.inf
+    return math.sqrt(n * math.log(2.0 / false_alarm) / 2.0)
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

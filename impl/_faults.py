@@ -20,13 +20,16 @@ FAULTS: dict[str, str] = {
     "grad_accum_overwrite": "a second backward overwrites the sharded gradient instead of adding to it",
     "grad_scale_1e-5": "every reduced gradient shard is scaled by (1 + 1e-5): a small systematic error",
     "grad_scale_1e-6": "every reduced gradient shard is scaled by (1 + 1e-6): a slow drift",
+    "grad_scale_1e-7": "every reduced gradient shard is scaled by (1 + 1e-7), about one ulp of fp32: within "
+                       "the per-element bound, a tilt of the signs of the errors",
+    "grad_shift_one_ulp": "every non-zero reduced gradient element moves one ulp upward",
     "master_lost_to_param_dtype": "mixed precision: the fp32 master shard is overwritten by its param_dtype "
                                   "rounding at every all-gather",
     "replica_grad_drift": "HSDP / NO_SHARD: the second replica's gradient is scaled by (1 + 1e-3), so the "
                           "replicas drift apart",
     "grad_nan_one_element": "the last rank's first gradient element becomes NaN at its second reduction",
 }
-GRAD_SCALE_FAULTS = {"grad_scale_1e-5": 1e-5, "grad_scale_1e-6": 1e-6}
+GRAD_SCALE_FAULTS = {"grad_scale_1e-5": 1e-5, "grad_scale_1e-6": 1e-6, "grad_scale_1e-7": 1e-7}
 
 
 def validate_faults(faults: frozenset[str]) -> frozenset[str]:

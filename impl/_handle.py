@@ -296,6 +296,9 @@ class FlatParamHandle:
                 sharded_grad[0] = float("nan")
         for fault in c.faults & GRAD_SCALE_FAULTS.keys():
             sharded_grad.mul_(1 + GRAD_SCALE_FAULTS[fault])
+        if "grad_shift_one_ulp" in c.faults:
+            up = torch.nextafter(sharded_grad, torch.full_like(sharded_grad, float("inf")))
+            sharded_grad.copy_(torch.where(sharded_grad != 0, up, sharded_grad))
         if ("replica_grad_drift" in c.faults and c.replicate_group is not None
                 and dist.get_rank(c.replicate_group) == 1):
             sharded_grad.mul_(1 + 1e-3)

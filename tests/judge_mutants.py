@@ -32,7 +32,7 @@ from scratch_repo import REPO, copy_project
 # Fast-tier files that judge evidence (the whole fast tier with --fast-tier).
 JUDGE_FAST = ("tests/test_tolerance_bounds.py", "tests/test_judge_checks.py", "tests/test_judge_nonfinite.py",
               "tests/test_harness_units.py", "tests/test_padding_intervals.py", "tests/test_evidence.py",
-              "tests/test_fuzz.py")
+              "tests/test_fuzz.py", "tests/test_bias_check.py")
 _PLANTED = "tests/test_harness_runs.py::test_planted_error_is_caught_by_its_check[{}]"
 _DRIFT = ("tests/test_harness_runs.py::"
           "test_a_drift_every_step_hides_fails_on_the_trajectory_and_the_honest_twin_passes")
@@ -68,6 +68,9 @@ MUTANTS = (
            (("ROUNDING_ALLOWANCE = 2\n", "ROUNDING_ALLOWANCE = 20\n"),)),
     Mutant("clip_coefficient_x10", "clip coefficient error bound x10", "harness/tolerance.py",
            (("return coef, dcoef + 2 * u * coef", "return coef, 10 * (dcoef + 2 * u * coef)"),)),
+    Mutant("bias_threshold_x10", "sign-test threshold x10", "harness/tolerance.py",
+           (("return math.sqrt(n * math.log(2.0 / false_alarm) / 2.0)",
+             "return 10 * math.sqrt(n * math.log(2.0 / false_alarm) / 2.0)"),), (_PLANTED.format("shift-one-ulp"),)),
     Mutant("precision_refusal_x10", "MAX_MEDIAN_RELATIVE_TOLERANCE x10", "harness/tolerance.py",
            (("MAX_MEDIAN_RELATIVE_TOLERANCE = 0.125", "MAX_MEDIAN_RELATIVE_TOLERANCE = 1.25"),)),
     Mutant("nonfinite_disabled", "non-finite values never reported", "harness/diff.py",
@@ -80,6 +83,8 @@ MUTANTS = (
            (_PLANTED.format("scale-1e-5-split"),)),
     Mutant("param_disabled", "parameter check never fails", "harness/diff.py", _disable("param"),
            (_PLANTED.format("lost-master"),)),
+    Mutant("bias_disabled", "sign test never fails", "harness/diff.py",
+           (("if tilt and not tilt.ratio <= 1:", "if False:"),), (_PLANTED.format("scale-1e-7-split"),)),
     Mutant("replicas_disabled", "replica digests never compared", "harness/diff.py",
            (("if len(set(column)) > 1:", "if False:"),), (_PLANTED.format("replica-drift"),)),
     Mutant("padding_disabled", "padding never checked", "harness/diff.py",

@@ -165,6 +165,12 @@ PLANTED = {
     "scale-1e-5-split": (["--cases", "mlp,transformer", "--world-sizes", "2,4", "--data", "split", "--steps", "1",
                           "--faults", "grad_scale_1e-5"], "grad",
                          {f"{c}.ours.w{w}.split.grad_scale_1e-5" for c in ("mlp", "transformer") for w in (2, 4)}),
+    # Inside the per-element bound at W = 4 (and a one-ulp shift at every W): only the signs tell.
+    "scale-1e-7-split": (["--cases", "mlp,transformer", "--world-sizes", "4", "--data", "split", "--steps", "1",
+                          "--faults", "grad_scale_1e-7"], "bias",
+                         {f"{c}.ours.w4.split.grad_scale_1e-7" for c in ("mlp", "transformer")}),
+    "shift-one-ulp": (["--cases", "mlp", "--world-sizes", "2", "--data", "split", "--steps", "1",
+                       "--faults", "grad_shift_one_ulp"], "bias", {"mlp.ours.w2.split.grad_shift_one_ulp"}),
     "replica-drift": (["--cases", "no_shard", "--world-sizes", "2", "--data", "split", "--steps", "1",
                        "--faults", "replica_grad_drift"], "replicas", {"no_shard.ours.w2.split.replica_grad_drift"}),
     # Two steps: a padding violation at step 1 must not disturb the trajectory check of step 2.
