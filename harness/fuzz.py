@@ -20,6 +20,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from cases.catalog import OptimizerSpec
+from harness.diff import JUDGED
 from harness.errors import UserError
 from harness.fuzz_check import ExampleResult, run_example
 from harness.fuzz_pool import PoolConfig, RankPool
@@ -244,4 +245,4 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
 
 
 def _fmt_margins(margins: dict[str, float]) -> str:
-    return ", ".join(f"{k}={v:.3g}" for k, v in margins.items() if k in ("loss", "grad", "param"))
+    return ", ".join(f"{k}={margins[k]:.3g}" for k in JUDGED if k in margins)
