@@ -31,7 +31,8 @@ from harness.tolerance import (BIAS_FALSE_ALARM, MAX_MEDIAN_RELATIVE_TOLERANCE, 
                                unit_roundoff)
 
 CHECK_ORDER = ("nonfinite", "init", "loss", "grad", "param", "bias", "replicas", "padding", "trajectory")
-JUDGED = ("grad", "param", "bias", "trajectory")  # the checks with a non-zero tolerance
+BOUNDED = ("grad", "param", "trajectory")  # a worst-case bound or an envelope: honest margins stay below 0.5
+JUDGED = ("grad", "param", "bias", "trajectory")  # the checks with a non-zero tolerance (bias: a sign test)
 
 
 class ReferenceDiverged(ValueError):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cases.catalog import OptimizerSpec
-from harness.diff import JUDGED, Violation
+from harness.diff import BOUNDED, JUDGED, Violation
 from harness.errors import UserError
 from harness.fuzz_check import ExampleResult, run_example
 from harness.fuzz_pool import PoolConfig, RankPool
@@ -108,11 +108,11 @@ class MutantRow:
             return "crash"
         return e.first.check
 
-    def ratio(self) -> float:
+    def ratio(self, checks: tuple[str, ...] = BOUNDED) -> float:
         """|diff| / tol of the first divergence of its strongest evidence; for an honest row the
-        largest margin of any tolerance check."""
+        largest margin of `checks`."""
         if self.mutant == HONEST:
-            return max((e.margins.get(c, 0.0) for e in self.evidence for c in JUDGED), default=0.0)
+            return max((e.margins.get(c, 0.0) for e in self.evidence for c in checks), default=0.0)
         e = self.strongest()
         if e is None:
             return max((e.margins.get(c, 0.0) for e in self.evidence for c in JUDGED), default=0.0)
@@ -229,8 +229,10 @@ def _run(out_dir: Path, faults: list[str], descriptions: dict[str, str], timeout
         f"Caught by the gate battery: {len(per_source['gate'])}/{len(faults)}; by the fuzz corpus: "
         f"{len(per_source['fuzz'])}/{len(faults)}.", "",
         table(rows), "",
-        f"Honest margin (largest |diff|/tol of the {'/'.join(JUDGED)} checks over every honest run): "
+        f"Honest margin (largest |diff|/tol of the {'/'.join(BOUNDED)} checks over every honest run): "
         f"{honest_margin:.3g} -> {'below' if honest_margin < 0.5 else 'NOT below'} half the tolerance.",
+        f"Honest bias margin (largest |count - n/2| / threshold of a gradient's sign counts, |z| / 7.5 for fair "
+        f"coins; fails above 1): {honest.ratio(('bias',)):.3g}.",
         f"Wall time {time.monotonic() - start:.0f}s.",
     ])
     write_atomic_text(out_dir / "mutants.md", text + "\n")
