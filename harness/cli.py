@@ -40,7 +40,7 @@ class CannotTest(Exception):
 class Stopped(BaseException):
     """A stop signal, raised in the main thread (like KeyboardInterrupt) so that every `finally`
     on the way out runs: the launch kills its processes, bisect removes its worktree
-    ([Note: No survivors] in harness/lifeline.py)."""
+    ([Note: No survivors] in harness/run/lifeline.py)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -135,7 +135,7 @@ def _out_dir(value: str, flag: str = "--out") -> Path:
 
 
 def _plan_from_args(args):
-    from harness.plan import build_plan, parse_csv, parse_world_sizes
+    from harness.run.plan import build_plan, parse_csv, parse_world_sizes
 
     world_sizes = "1,2,4,8" if getattr(args, "full", False) else args.world_sizes
     return build_plan(
@@ -158,15 +158,15 @@ RUN_GENERATED = ("snapshots", "logs", "init")  # what a run writes besides its r
 
 
 def cmd_run(args, argv: list[str]) -> int:
-    from harness.orchestrate import Progress, run_plan
-    from harness.output import OutputDir
-    from harness.report import build_report, console_summary, report_files
-    from harness.verdict import evaluate
+    from harness.run.orchestrate import Progress, run_plan
+    from harness.run.output import OutputDir
+    from harness.report.build import build_report, console_summary, report_files
+    from harness.judge.verdict import evaluate
 
     plan = _plan_from_args(args)
     baseline = None
     if getattr(args, "baseline", None):
-        from harness.baseline import load_baseline
+        from harness.ci.baseline import load_baseline
 
         baseline = load_baseline(args.baseline, plan)  # refused before any rank starts
     with OutputDir(plan.out_dir, plan.run_id, RUN_GENERATED) as output:  # owned and locked, or exit 2
@@ -176,20 +176,20 @@ def cmd_run(args, argv: list[str]) -> int:
         report = build_report(cells, references, matrices, outcome, command)
         baseline_results = []
         if baseline is not None:
-            from harness.baseline import check_baseline
-            from harness.gate import apply_baseline
+            from harness.ci.baseline import check_baseline
+            from harness.ci.gate import apply_baseline
 
             baseline_results = check_baseline(plan, baseline, args.baseline)
             report = apply_baseline(report, baseline_results)
         files = report_files(report)
         if args.verb == "gate":
-            from harness.gate import add_gate_files
+            from harness.ci.gate import add_gate_files
 
             files = add_gate_files(files, report, baseline_results)
         written = output.write_report_set(files)
     console_summary(report)
     if args.verb == "gate":
-        from harness.gate import print_baseline
+        from harness.ci.gate import print_baseline
 
         print_baseline(baseline_results)
         step_summary = os.environ.get("GITHUB_STEP_SUMMARY")  # GitHub Actions renders it on the run page
@@ -202,7 +202,7 @@ def cmd_run(args, argv: list[str]) -> int:
 
 def cmd_list() -> int:
     from cases.catalog import CASES
-    from harness.impls import BUILTIN_IMPLS
+    from harness.adapters.registry import BUILTIN_IMPLS
 
     print("cases:")
     for case in CASES.values():
@@ -222,10 +222,10 @@ def cmd_list() -> int:
 
 
 def cmd_baseline_record(args) -> int:
-    from harness.baseline import BaselineNotRecorded, baseline_from_snapshots, check_record_target, reference_plan, write_baseline
-    from harness.orchestrate import Progress, run_plan
-    from harness.output import OutputDir
-    from harness.plan import build_plan, parse_csv
+    from harness.ci.baseline import BaselineNotRecorded, baseline_from_snapshots, check_record_target, reference_plan, write_baseline
+    from harness.run.orchestrate import Progress, run_plan
+    from harness.run.output import OutputDir
+    from harness.run.plan import build_plan, parse_csv
 
     plan = reference_plan(build_plan(cases=parse_csv(args.cases, "cases"), impls=("single",), world_sizes=(1,),
                                      data_modes=("identical",), steps=args.steps, timeout_s=args.timeout,
@@ -272,7 +272,7 @@ def _import_project(args) -> None:
         import torch  # noqa: F401
 
         import cases.catalog  # noqa: F401
-        import harness.orchestrate  # noqa: F401
+        import harness.run.orchestrate  # noqa: F401
         if args.verb in ("fuzz", "mutants") or "ours" in getattr(args, "impls", "").split(","):
             import impl  # noqa: F401
     except Exception as e:
@@ -281,16 +281,16 @@ def _import_project(args) -> None:
 
 
 def cmd_fuzz_or_mutants(args) -> int:
-    from harness.plan import parse_csv, parse_world_sizes
+    from harness.run.plan import parse_csv, parse_world_sizes
 
     if args.verb == "fuzz":
-        from harness.fuzz import main as fuzz_main
+        from harness.fuzz.main import main as fuzz_main
 
         ok = fuzz_main(args.world_size, args.max_examples, args.seed,
                        parse_csv(args.faults, "faults") if args.faults else (), args.replay,
                        _out_dir(args.out), args.threads, args.example_timeout)
     else:
-        from harness.mutants import main as mutants_main
+        from harness.ci.mutants import main as mutants_main
 
         ok = mutants_main(_out_dir(args.out), args.timeout, parse_csv(args.only, "only") if args.only else None,
                           parse_world_sizes(args.world_sizes) if args.world_sizes else None)
@@ -298,8 +298,8 @@ def cmd_fuzz_or_mutants(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from harness.bench import BenchConfig, BenchError, run_bench
-    from harness.plan import PlanError, parse_world_sizes
+    from harness.bench.main import BenchConfig, BenchError, run_bench
+    from harness.run.plan import PlanError, parse_world_sizes
 
     try:
         cfg = BenchConfig(_out_dir(args.out), parse_world_sizes(args.speed_world_sizes),
@@ -326,7 +326,7 @@ def _dispatch(argv: list[str]) -> int:
     if args.verb == "bench":
         return cmd_bench(args)
     if args.verb == "bisect":  # imports nothing of the project: each commit is tested by its own code
-        from harness.bisect import bisect
+        from harness.ci.bisect import bisect
 
         return bisect(args.repo, args.good, args.bad, extra, _out_dir(args.out))
     _import_project(args)

@@ -10,10 +10,10 @@ import csv
 from pathlib import Path
 
 from cases.catalog import get_case
-from harness.diff import CHECK_ORDER
+from harness.judge.diff import CHECK_ORDER
 
 
-# Checks with a tolerance: steps.csv names, per step, the element nearest it (harness/report.py), so
+# Checks with a tolerance: steps.csv names, per step, the element nearest it (harness/report/build.py), so
 # a step where such a check compared nothing has an empty margin there.
 PER_STEP_CHECKS = ("grad", "param", "trajectory")
 

@@ -14,7 +14,7 @@ import torch
 from scratch_repo import REPO, copy_project, harness, scale_first_layer_init
 
 sys.path.insert(0, str(REPO))
-from harness.baseline import BaselineResult, _check_digests, digest  # noqa: E402
+from harness.ci.baseline import BaselineResult, _check_digests, digest  # noqa: E402
 
 CHEAP = ["--cases", "mlp", "--steps", "2"]
 
@@ -37,16 +37,16 @@ def _foreign(baseline: dict, **key) -> dict:
 
 
 def _synthetic_baseline() -> dict:
-    from harness.baseline import FORMAT
-    from harness.environment import baseline_key
+    from harness.ci.baseline import FORMAT
+    from harness.report.environment import baseline_key
 
     return {"format": FORMAT, "key": baseline_key("gloo", "cpu", 1), "recorded": {}, "cases": {"mlp": {"steps": 2, "optimizers": {}}}}
 
 
 @pytest.mark.parametrize("key", [{"torch": "2.0.0"}, {"device": "cuda"}, {"backend": "nccl"}, {"threads": 4}])
 def test_a_baseline_from_another_environment_is_refused_before_any_rank_starts(tmp_path, key):
-    from harness.baseline import BaselineRefused, load_baseline
-    from harness.plan import build_plan
+    from harness.ci.baseline import BaselineRefused, load_baseline
+    from harness.run.plan import build_plan
 
     path = tmp_path / "foreign.json"
     path.write_text(json.dumps(_foreign(_synthetic_baseline(), **key)))

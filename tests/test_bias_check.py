@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from harness.diff import _bias
-from harness.tolerance import BIAS_FALSE_ALARM, ReductionModel, sign_test_threshold, unit_roundoff
+from harness.judge.diff import _bias
+from harness.judge.tolerance import BIAS_FALSE_ALARM, ReductionModel, sign_test_threshold, unit_roundoff
 
 
 def _honest_means(terms: torch.Tensor, world_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from scratch_repo import (REPO, append, commit_all, copy_project, drop_grad_aver
                           repo_state)
 
 sys.path.insert(0, str(REPO))
-from harness.bisect_step import map_exit_code  # noqa: E402
+from harness.ci.bisect_step import map_exit_code  # noqa: E402
 
 # The cheapest gate that sees a missing gradient average: W = 2 with identical data doubles every
 # gradient at step 1 (at W = 1 the division by 1 is a no-op).
@@ -116,8 +116,8 @@ def test_a_stop_signal_removes_the_worktree_and_stops_the_step(tmp_path, sig):
 
 
 def test_a_worktree_left_by_a_killed_bisect_is_pruned_by_the_next(tmp_path):
-    from harness.bisect import OWNER_FILE, TMP_PREFIX
-    from harness.lifeline import token
+    from harness.ci.bisect import OWNER_FILE, TMP_PREFIX
+    from harness.run.lifeline import token
 
     good, bad = _tiny_repo(tmp_path / "repo", harness_main=None)
     repo = tmp_path / "repo"

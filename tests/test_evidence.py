@@ -15,18 +15,19 @@ import pytest
 import torch
 
 from cases.catalog import get_case
-from harness import cli, diff
-from harness.baseline import BaselineRefused, BaselineResult, _check_digests, load_baseline
-from harness.environment import baseline_key
-from harness.diff import DiffStats, OptimizerResult, Violation
-from harness.impls import RankContext
-from harness.orchestrate import RunOutcome, write_init_states
-from harness.output import OutputDir
-from harness.plan import build_plan
-from harness.report import build_report, report_files
-from harness.snapshot import load_snapshot, load_state, save_snapshot, snapshot_path
-from harness.verdict import CellResult, Matrix, evaluate
-from harness.worker import run_cell
+from harness import cli
+from harness.judge import diff
+from harness.ci.baseline import BaselineRefused, BaselineResult, _check_digests, load_baseline
+from harness.report.environment import baseline_key
+from harness.judge.diff import DiffStats, OptimizerResult, Violation
+from harness.adapters import RankContext
+from harness.run.orchestrate import RunOutcome, write_init_states
+from harness.run.output import OutputDir
+from harness.run.plan import build_plan
+from harness.report.build import build_report, report_files
+from harness.run.snapshot import load_snapshot, load_state, save_snapshot, snapshot_path
+from harness.judge.verdict import CellResult, Matrix, evaluate
+from harness.run.worker import run_cell
 
 STEPS = 2
 
@@ -198,7 +199,7 @@ def _nonfinite_report(monkeypatch, tmp_path):
 
 def test_every_report_file_renders_a_nonfinite_cell_and_they_agree(monkeypatch, tmp_path):
     plan, report, bad_cell = _nonfinite_report(monkeypatch, tmp_path / "plan")
-    from harness.gate import add_gate_files
+    from harness.ci.gate import add_gate_files
 
     files = add_gate_files(report_files(report), report, [])
     with OutputDir(tmp_path / "out", plan.run_id, ()) as output:
@@ -239,7 +240,7 @@ def test_every_report_file_renders_a_nonfinite_cell_and_they_agree(monkeypatch, 
 # -- baselines ----------------------------------------------------------------------------------
 
 def _baseline(steps: int = 2) -> dict:
-    from harness.baseline import FORMAT
+    from harness.ci.baseline import FORMAT
 
     record = lambda t: {"step": t, "loss": 1.0, "grads": {"w": [0.5, 1.0]}, "params": {"w": [0.5, 1.0]}}  # noqa: E731
     optimizers = {kind: {"init": {"w": [0.0, 1.0]}, "steps": [record(t) for t in range(1, steps + 1)]}
@@ -322,17 +323,17 @@ def test_a_non_finite_digest_fails_recorded_or_measured(recorded, measured):
 # -- identity -----------------------------------------------------------------------------------
 
 def _no_launch(monkeypatch):
-    import harness.orchestrate
+    import harness.run.orchestrate
 
     def no_launch(*args, **kwargs):
         raise AssertionError("a rank was launched for bad input")
 
-    monkeypatch.setattr(harness.orchestrate, "launch", no_launch)
+    monkeypatch.setattr(harness.run.orchestrate, "launch", no_launch)
 
 
 def test_two_adapters_with_one_class_name_are_refused_before_any_rank(tmp_path, monkeypatch, capsys):
     for name in ("a", "b"):
-        (tmp_path / f"{name}.py").write_text("from harness.impls import Ours\n\n\nclass X(Ours):\n    name = 'x'\n")
+        (tmp_path / f"{name}.py").write_text("from harness.adapters import Ours\n\n\nclass X(Ours):\n    name = 'x'\n")
     _no_launch(monkeypatch)
     rc = cli.main(["run", "--cases", "mlp", "--impls", f"{tmp_path / 'b.py'}:X,{tmp_path / 'a.py'}:X",
                    "--world-sizes", "1", "--out", str(tmp_path / "out")])

@@ -10,11 +10,11 @@ import pytest
 import torch
 from hypothesis import Phase, example, find, given, settings
 
-from harness.fuzz import fuzz, model_specs, warm_up_spec
-from harness.fuzz_check import run_example
-from harness.fuzz_spec import ModelSpec, as_case, build_model, describe, init_state, wrap_paths
-from harness.fuzz_worker import run_example as rank_run_example
-from harness.impls import RankContext
+from harness.fuzz.main import fuzz, model_specs, warm_up_spec
+from harness.fuzz.check import run_example
+from harness.fuzz.spec import ModelSpec, as_case, build_model, describe, init_state, wrap_paths
+from harness.fuzz.worker import run_example as rank_run_example
+from harness.adapters import RankContext
 
 
 NO_SHRINK = settings(phases=[Phase.generate], database=None, max_examples=200)

@@ -34,7 +34,7 @@ def test_planted_fault_fails_and_prints_a_shrunk_replayable_model(tmp_path):
     assert re.search(r"first divergence: .* padding: .*\(padding\)", proc.stdout), proc.stdout
     spec = re.search(r"replay: python -m harness fuzz --world-size 2 --replay '(.*)' --faults grad_padding_garbage",
                      proc.stdout).group(1)
-    from harness.fuzz_spec import ModelSpec
+    from harness.fuzz.spec import ModelSpec
 
     assert ModelSpec.from_json(spec).world_size == 2
 
@@ -53,8 +53,8 @@ NUM_EXAMPLES = 16
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_honest_examples_through_the_rank_pool_pass_and_reach_every_padding_edge(tmp_path, world_size):
-    from harness.fuzz import format_failure, fuzz
-    from harness.fuzz_pool import PoolConfig, RankPool
+    from harness.fuzz.main import format_failure, fuzz
+    from harness.fuzz.pool import PoolConfig, RankPool
 
     results = []
     with RankPool(PoolConfig(world_size, tmp_path / "logs", example_timeout_s=600.0)) as pool:

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness.impls import Adapter, Ours
+from harness.adapters import Adapter, Ours
 
 CORRUPT_RANK = 1
 CORRUPT_PATH_INDEX = 0  # the first wrapped sub-module of the case
@@ -60,7 +60,7 @@ class HangOnRank1(Ours):
 
 
 # Failures after the last snapshot: every cell's evidence is on disk, yet the launch did not end
-# cleanly, so no cell of it may pass (harness/orchestrate.py).
+# cleanly, so no cell of it may pass (harness/run/orchestrate.py).
 
 class RaiseInDestroyOnRank1(Ours):
     name = "raise_in_destroy_on_rank1"

@@ -8,10 +8,10 @@ import torch
 from cases.catalog import CASES, Case, OptimizerSpec, get_case
 from cases.data import local_batch
 from harness import cli
-from harness.diff import DiffStats, compare, owner_of, ulp_distance
-from harness.plan import Cell, PlanError, build_plan
-from harness.snapshot import FORMAT, load_snapshot, save_snapshot
-from harness.tolerance import ReductionModel, unit_roundoff
+from harness.judge.diff import DiffStats, compare, owner_of, ulp_distance
+from harness.run.plan import Cell, PlanError, build_plan
+from harness.run.snapshot import FORMAT, load_snapshot, save_snapshot
+from harness.judge.tolerance import ReductionModel, unit_roundoff
 
 
 def test_ulp_distance_counts_representable_steps_across_zero():
@@ -38,8 +38,8 @@ def test_compare_reports_zero_only_when_bitwise_equal():
 
 
 def test_a_precision_too_low_to_judge_is_refused_not_passed():
-    from harness.diff import CheckStats, precision_refusal
-    from harness.tolerance import MAX_MEDIAN_RELATIVE_TOLERANCE
+    from harness.judge.diff import CheckStats, precision_refusal
+    from harness.judge.tolerance import MAX_MEDIAN_RELATIVE_TOLERANCE
 
     g = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     for w, dtype, refused in ((8, torch.float32, False), (8, torch.bfloat16, False), (64, torch.bfloat16, True)):
@@ -115,12 +115,12 @@ def test_plan_rejects_bad_input(tmp_path, kwargs, message):
     ["run", "--bogus-flag"],
 ])
 def test_cli_bad_input_exits_2_with_one_line_before_any_rank(argv, monkeypatch, capsys):
-    import harness.orchestrate
+    import harness.run.orchestrate
 
     def no_launch(*args, **kwargs):
         raise AssertionError("a rank was launched for bad input")
 
-    monkeypatch.setattr(harness.orchestrate, "launch", no_launch)
+    monkeypatch.setattr(harness.run.orchestrate, "launch", no_launch)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "error" in err, err

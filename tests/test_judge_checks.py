@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from cases.catalog import get_case
-from harness.diff import CHECK_ORDER, Violation, check_snapshot
-from harness.impls import RankContext
-from harness.orchestrate import write_init_states
-from harness.plan import build_plan
-from harness.snapshot import load_state
-from harness.worker import run_cell
+from harness.judge.diff import CHECK_ORDER, Violation, check_snapshot
+from harness.adapters import RankContext
+from harness.run.orchestrate import write_init_states
+from harness.run.plan import build_plan
+from harness.run.snapshot import load_state
+from harness.run.worker import run_cell
 
 STEPS = 3
 

@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
-from harness.diff import ReferenceDiverged, check_snapshot
-from harness.fuzz import OPTIMIZERS
-from harness.fuzz_check import assemble_snapshot
-from harness.fuzz_spec import BlockSpec, ModelSpec, as_case, init_state
-from harness.fuzz_worker import decode, encode, run_example
-from harness.impls import RankContext
+from harness.judge.diff import ReferenceDiverged, check_snapshot
+from harness.fuzz.main import OPTIMIZERS
+from harness.fuzz.check import assemble_snapshot
+from harness.fuzz.spec import BlockSpec, ModelSpec, as_case, init_state
+from harness.fuzz.worker import decode, encode, run_example
+from harness.adapters import RankContext
 
 _SPEC = ModelSpec(1, 3, 2, (BlockSpec(width=2, gain=True, aux_numel=3),), OPTIMIZERS[0], steps=2)
 
@@ -89,7 +89,7 @@ def test_a_missing_step_is_an_error_not_a_shorter_pass(honest):
 def test_a_tied_parameter_counts_one_term_per_use():
     """Its gradient is a sum over uses that an implementation may associate differently across
     micro-batches (a W=2 fuzz counterexample, seed 181), so each use is a term of the bound."""
-    from harness.shadow import Shadow
+    from harness.judge.shadow import Shadow
 
     spec = ModelSpec(2, 4, 1, (BlockSpec(width=2, tied=True),), OPTIMIZERS[0], accumulation=2, batch_per_rank=4,
                      sync_every_micro=False, seed=181)

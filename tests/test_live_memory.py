@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import live_memory
-from harness.live_memory import LiveMemory
+from harness.bench import live_memory
+from harness.bench.live_memory import LiveMemory
 
 
 def test_allocations_frees_and_storage_resizes_are_counted_to_the_byte():

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.diff import Violation
-from harness.mutants import HONEST, Evidence, MutantRow, corpus, table
+from harness.judge.diff import Violation
+from harness.ci.mutants import HONEST, Evidence, MutantRow, corpus, table
 
 REPO = Path(__file__).resolve().parent.parent
 

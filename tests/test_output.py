@@ -1,4 +1,4 @@
-"""The output directory (harness/output.py): owned, locked, cleaned only of the harness's own
+"""The output directory (harness/run/output.py): owned, locked, cleaned only of the harness's own
 files, and its report set written whole or not at all (fast, no ranks)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-import harness.output
-from harness.output import MARKER, STATE, OutputDir, OutputError
+import harness.run.output
+from harness.run.output import MARKER, STATE, OutputDir, OutputError
 
 GENERATED = ("snapshots", "logs", "init")
 REPORTS = {"report.md": "# r\n", "junit.xml": "<testsuite/>\n", "summary.json": "{}\n"}
@@ -97,7 +97,7 @@ def test_a_failing_report_write_leaves_no_report_rather_than_a_mix(tmp_path, mon
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(harness.output, "open", full_disk, raising=False)
+    monkeypatch.setattr(harness.run.output, "open", full_disk, raising=False)
     with pytest.raises(OSError, match="No space left"):
         _run(out, "b" * 32, reports={**REPORTS, "report.md": "# second run: FAIL\n"})
     left = sorted(p.name for p in out.iterdir())

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from harness.fuzz_check import assemble_snapshot
-from harness.diff import check_snapshot
-from harness.fuzz_spec import BlockSpec, ModelSpec, as_case, init_state
-from harness.fuzz import OPTIMIZERS
-from harness.fuzz_worker import decode, encode, run_example
-from harness.impls import RankContext, RawShard
-from harness.worker import _gather_step_evidence
+from harness.fuzz.check import assemble_snapshot
+from harness.judge.diff import check_snapshot
+from harness.fuzz.spec import BlockSpec, ModelSpec, as_case, init_state
+from harness.fuzz.main import OPTIMIZERS
+from harness.fuzz.worker import decode, encode, run_example
+from harness.adapters import RankContext, RawShard
+from harness.run.worker import _gather_step_evidence
 
 # A unit holding a 0-d gain, a 3-element aux parameter and a Linear: three alignment gaps.
 _SPEC = ModelSpec(1, 3, 2, (BlockSpec(width=2, gain=True, aux_numel=3),), OPTIMIZERS[0])

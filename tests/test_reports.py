@@ -20,14 +20,14 @@ import pytest
 import yaml
 from junitparser import Error, Failure, JUnitXml, Skipped
 
-from harness.baseline import FORMAT, BaselineRefused, BaselineResult, environment_key, load_baseline
-from harness.diff import CHECK_ORDER, DiffStats, OptimizerResult, Violation
-from harness.gate import add_gate_files
-from harness.orchestrate import RunOutcome
-from harness.plan import Cell, build_plan
-from harness.report import build_report, report_files, step_rows
-from harness.report_view import margin_class, margin_text
-from harness.verdict import CellResult
+from harness.ci.baseline import FORMAT, BaselineRefused, BaselineResult, environment_key, load_baseline
+from harness.judge.diff import CHECK_ORDER, DiffStats, OptimizerResult, Violation
+from harness.ci.gate import add_gate_files
+from harness.run.orchestrate import RunOutcome
+from harness.run.plan import Cell, build_plan
+from harness.report.build import build_report, report_files, step_rows
+from harness.report.view import margin_class, margin_text
+from harness.judge.verdict import CellResult
 from scratch_repo import REPO, harness
 
 STEPS = 3

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from cases.catalog import OptimizerSpec, get_case
-from harness.diff import check_snapshot
-from harness.tolerance import OptimizerErrorState, ReductionModel, clip_coefficient_error, unit_roundoff
+from harness.judge.diff import check_snapshot
+from harness.judge.tolerance import OptimizerErrorState, ReductionModel, clip_coefficient_error, unit_roundoff
 
 U32 = unit_roundoff(torch.float32)
 
@@ -195,9 +195,9 @@ def test_clip_coefficient_bound_holds_for_admissible_gradients_and_is_reached(no
 def reference_runs():
     """The mlp reference of a real in-process run (two perturbed runs in its snapshot), and a third
     perturbed run with another noise seed: an honest trajectory of the same noise amplitude."""
-    from harness.impls import RankContext
-    from harness.plan import Cell
-    from harness.worker import perturbed_run, run_cell
+    from harness.adapters import RankContext
+    from harness.run.plan import Cell
+    from harness.run.worker import perturbed_run, run_cell
 
     case = get_case("mlp")
     init = {n: t.detach().clone() for n, t in case.build_model().state_dict().items()}

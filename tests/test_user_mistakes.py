@@ -14,7 +14,7 @@ from harness import cli
 BROKEN_ADAPTERS = {
     "syntax": "class X(:\n    pass\n",
     "import": "raise RuntimeError('planted: the adapter module raises at import')\n",
-    "init": ("from harness.impls import Ours\n\n\nclass X(Ours):\n    def __init__(self):\n"
+    "init": ("from harness.adapters import Ours\n\n\nclass X(Ours):\n    def __init__(self):\n"
              "        raise RuntimeError('planted: the adapter raises in __init__')\n"),
 }
 CHEAP = ["--cases", "mlp", "--world-sizes", "1", "--data", "identical", "--steps", "1"]
@@ -22,14 +22,14 @@ CHEAP = ["--cases", "mlp", "--world-sizes", "1", "--data", "identical", "--steps
 
 @pytest.fixture
 def no_ranks(monkeypatch):
-    import harness.fuzz_pool
-    import harness.orchestrate
+    import harness.fuzz.pool
+    import harness.run.orchestrate
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a rank was started for bad input")
 
-    monkeypatch.setattr(harness.orchestrate, "launch", forbidden)
-    monkeypatch.setattr(harness.fuzz_pool.RankPool, "start", forbidden)
+    monkeypatch.setattr(harness.run.orchestrate, "launch", forbidden)
+    monkeypatch.setattr(harness.fuzz.pool.RankPool, "start", forbidden)
 
 
 def _adapter(tmp_path, kind: str) -> str:
@@ -39,8 +39,8 @@ def _adapter(tmp_path, kind: str) -> str:
 
 
 def _baseline(tmp_path) -> str:
-    from harness.baseline import FORMAT
-    from harness.environment import baseline_key
+    from harness.ci.baseline import FORMAT
+    from harness.report.environment import baseline_key
 
     record = {"step": 1, "loss": 1.0, "grads": {"w": [0.0, 1.0]}}  # no "params"
     optimizers = {k: {"init": {"w": [0.0, 1.0]}, "steps": [record]} for k in ("sgd", "adamw")}
@@ -52,7 +52,7 @@ def _baseline(tmp_path) -> str:
 
 def _symlinked_logs(tmp_path) -> str:
     out = tmp_path / "owned"
-    from harness.output import OutputDir
+    from harness.run.output import OutputDir
 
     with OutputDir(out, "a" * 32, ("logs",)):
         pass
@@ -108,7 +108,7 @@ MISTAKES = {
 
 def _adapter_x(tmp_path, name: str) -> str:
     path = tmp_path / f"{name}.py"
-    path.write_text("from harness.impls import Ours\n\n\nclass X(Ours):\n    name = 'x'\n")
+    path.write_text("from harness.adapters import Ours\n\n\nclass X(Ours):\n    name = 'x'\n")
     return f"{path}:X"
 
 
@@ -127,7 +127,7 @@ def test_a_user_mistake_exits_2_with_one_line(mistake, tmp_path, no_ranks, capsy
 
 
 def test_a_full_disk_at_start_exits_2(tmp_path, no_ranks, monkeypatch, capsys):
-    from harness.output import OutputDir
+    from harness.run.output import OutputDir
 
     def full(self):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path / ".probe-x"))

@@ -49,7 +49,7 @@ def make_case() -> Case:
 
 
 # A user's adapter with a planted bug: ours, except every reduced gradient is 1e-5 too large.
-from harness.impls import Ours  # noqa: E402
+from harness.adapters import Ours  # noqa: E402
 
 
 class ScaledGradients(Ours):

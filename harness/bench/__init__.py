@@ -1,0 +1,1 @@
+"""`python -m harness bench`: step time, communication, memory and harness throughput."""

@@ -1,0 +1,306 @@
+"""`python -m harness bench`: step time, communication, memory and harness throughput.
+
+Every figure is a ratio measured side by side in one run (these machines are shared and noisy):
+ours vs torch FSDP2 interleaved in the same ranks, bytes counted at the c10d calls for both,
+memory against total / W and against an ideal peak, and the batched harness against a bare
+torchrun per world size and against one torchrun per cell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from tabulate import tabulate
+
+from harness.bench import live_memory
+from harness.run.launch import LAUNCH_ID_VAR, free_port, kill_launch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The seeds' figures for GPT-2 medium (they count 505M parameters): fp32 parameters per GPU
+# (shared/seeds/000) and, with meta-device init, the peak per device (shared/seeds/004).
+SEED_PARAM_MB = {1: 2020, 8: 253}
+SEED_PEAK_MB = {1: 737.84, 8: 187.65}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    out_dir: Path
+    speed_world_sizes: tuple[int, ...] = (2, 4)
+    memory_world_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    iters: int = 10
+    threads: int = 1
+    throughput: bool = True
+    timeout_s: float = 1200.0
+    smoke: bool = False  # a tiny model and one iteration: checks that bench runs, measures nothing
+    medium_world_sizes: tuple[int, ...] = (1, 2, 4, 8)  # GPT-2 medium, ours only (not in a smoke run)
+
+    def __post_init__(self) -> None:
+        if self.iters < 1:
+            raise ValueError(f"iters={self.iters} must be >= 1")
+        bad = [w for w in (*self.speed_world_sizes, *self.memory_world_sizes, *self.medium_world_sizes) if w < 1]
+        if bad:
+            raise ValueError(f"world sizes {bad} must be >= 1")
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def torchrun(world_size: int, args: list[str], threads: int, timeout_s: float, log: Path) -> float:
+    """Run `python -m <args>` in `world_size` ranks; return wall seconds; raise on failure."""
+    launch_id = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env[LAUNCH_ID_VAR] = launch_id
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={world_size}",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", *args]
+    start = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = 124
+        finally:
+            kill_launch(launch_id)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    wall = time.monotonic() - start
+    if rc != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+        raise BenchError(f"bench launch W={world_size} {' '.join(args[:2])} exited {rc}:\n{tail}")
+    return wall
+
+
+def run_bench(cfg: BenchConfig, progress=print) -> dict:
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-", dir=cfg.out_dir))
+    result: dict = {"environment": environment(cfg), "speed": [], "memory": [], "medium": []}
+    smoke = ["--iters", "1", "--warmup", "0", "--smoke"] if cfg.smoke else ["--iters", str(cfg.iters)]
+    for w in cfg.speed_world_sizes:
+        progress(f"bench: step time and communication, ours vs fsdp2, W={w}")
+        out = work / f"speed_w{w}.json"
+        torchrun(w, ["harness.bench.worker", "speed", "--out", str(out), "--threads", str(cfg.threads), *smoke],
+                 cfg.threads, cfg.timeout_s, work / f"speed_w{w}.log")
+        result["speed"].extend(json.loads(out.read_text())["ranks"][0]["sizes"])
+    config = "smoke" if cfg.smoke else "gpt2-small"
+    for w in cfg.memory_world_sizes:
+        progress(f"bench: live-tensor memory of the {config}-shaped model, plain / ours / fsdp2, W={w}")
+        result["memory"].append(memory_row(cfg, work, config, w, ("ours", "fsdp2")))
+    for w in () if cfg.smoke else cfg.medium_world_sizes:
+        progress(f"bench: live-tensor memory of the gpt2-medium-shaped model, plain / ours, W={w}")
+        result["medium"].append(memory_row(cfg, work, "gpt2-medium", w, ("ours",)))
+    if cfg.throughput and not cfg.smoke:
+        progress("bench: harness throughput (batched matrix vs bare launches vs one launch per cell)")
+        result["throughput"] = harness_throughput(cfg, work)
+    write_outputs(result, cfg.out_dir)
+    return result
+
+
+def _memory_launch(cfg: BenchConfig, work: Path, config: str, impl: str, world_size: int,
+                   as_world_size: int = 1) -> list[dict]:
+    out = work / f"memory_{config}_{impl}_w{world_size}_as{as_world_size}.json"
+    torchrun(world_size, ["harness.bench.worker", "memory", "--out", str(out), "--threads", str(cfg.threads),
+                          "--impl", impl, "--config", config, "--as-world-size", str(as_world_size)],
+             cfg.threads, cfg.timeout_s, out.with_suffix(".log"))
+    return json.loads(out.read_text())["ranks"]
+
+
+def memory_row(cfg: BenchConfig, work: Path, config: str, world_size: int, impls: tuple[str, ...]) -> dict:
+    """One world size: the ideal from the plain model, then each implementation's peak per rank.
+
+    ideal = max over the plain model's step (on this W's per-rank batch) of live bytes with
+    parameters, gradients and optimizer state divided by W, plus (W > 1) one unit unsharded: its
+    parameters and its gradient, for the largest unit. Each launch runs alone: two implementations
+    never share the machine's memory.
+    """
+    (plain,) = _memory_launch(cfg, work, config, "plain", 1, as_world_size=world_size)
+    row = {"world_size": world_size, "config": config, "model": plain["model"], "num_params": plain["num_params"],
+           "full_param_bytes": 4 * plain["num_params"],
+           "plain_weighted_peak_bytes": plain["ideal_before_unsharded_unit"]["weighted_bytes"]}
+    for name in impls:
+        ranks = _memory_launch(cfg, work, config, name, world_size)
+        worst = max(ranks, key=lambda r: r["peak"]["total_bytes"])
+        row[name] = {
+            "peak_bytes": worst["peak"]["total_bytes"],
+            "peak_phase": worst["peak"]["phase"],
+            "peak_by_category": worst["peak"]["by_category"],
+            "largest_at_peak": worst["largest_at_peak"],
+            "init_peak_bytes": max(r["init_peak"]["total_bytes"] for r in ranks),
+            "sharded_param_bytes": max(r["sharded_param_bytes"] for r in ranks),
+            "peak_rss_growth_bytes": max(r["peak_rss_growth_bytes"] for r in ranks),
+        }
+        if name == "ours":
+            row["largest_unit_bytes"] = ranks[0]["largest_unit_bytes"]
+            row["ours"]["padded_numel"] = ranks[0]["padded_numel"]
+            row["ours"]["num_flat_params"] = ranks[0]["num_flat_params"]
+    unsharded_unit = 2 * row["largest_unit_bytes"] if world_size > 1 else 0
+    row["ideal_bytes"] = row["plain_weighted_peak_bytes"] + unsharded_unit
+    for name in impls:
+        row[name]["peak_ratio_vs_ideal"] = row[name]["peak_bytes"] / row["ideal_bytes"]
+    return row
+
+
+def harness_throughput(cfg: BenchConfig, work: Path) -> dict:
+    """Wall time of the standard matrix, batched (one torchrun per world size) and one torchrun
+    per cell, against the floor: one bare torchrun launch per world size."""
+    world_sizes = (1, 2, 4, 8)
+    floor = sum(torchrun(w, ["harness.bench.worker", "bare", "--out", str(work / f"bare{w}.json")],
+                         cfg.threads, cfg.timeout_s, work / f"bare{w}.log") for w in world_sizes)
+    walls = {}
+    for label, extra in (("batched", []), ("per_cell", ["--launch-per-cell"])):
+        cmd = [sys.executable, "-m", "harness", "run", "--cases", "mlp,transformer", "--impls", "ours,fsdp2",
+               "--world-sizes", ",".join(map(str, world_sizes)), "--data", "identical,split",
+               "--out", str(work / f"matrix_{label}"), "--quiet", *extra]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=cfg.timeout_s * 4)
+        walls[label] = time.monotonic() - start
+        if proc.returncode != 0:
+            raise BenchError(f"harness run ({label}) exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return {
+        "matrix": "mlp,transformer x ours,fsdp2 x W=1,2,4,8 x identical,split (32 cells)",
+        "bare_launch_floor_s": floor,
+        "batched_s": walls["batched"],
+        "per_cell_s": walls["per_cell"],
+        "batched_ratio_vs_floor": walls["batched"] / floor,
+        "per_cell_ratio_vs_batched": walls["per_cell"] / walls["batched"],
+    }
+
+
+def environment(cfg: BenchConfig) -> dict:
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "backend": "gloo",
+        "device": "cpu",
+        "cpu_count": os.cpu_count(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "threads_per_rank": cfg.threads,
+        "smoke": cfg.smoke,
+    }
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
+
+
+def _speed_markdown(speed: list[dict]) -> list[str]:
+    rows = []
+    for s in speed:
+        rows.append([f"{s['num_params'] / 1e6:.2f}M", s["world_size"], f"{s['step_time_s']['ours'] * 1e3:.1f}",
+                     f"{s['step_time_s']['fsdp2'] * 1e3:.1f}", f"{s['step_time_ratio_vs_fsdp2']:.3f}",
+                     _mb(sum(s["comm"]["ours"]["bytes"].values())), _mb(sum(s["comm"]["fsdp2"]["bytes"].values())),
+                     _mb(sum(s["theory_bytes"].values())), f"{s['comm_bytes_ratio_vs_theory']:.3f}",
+                     f"{s['comm_bytes_ratio_vs_fsdp2']:.3f}"])
+    lines = [tabulate(rows, headers=["model", "W", "ours ms/step", "fsdp2 ms/step", "step_time_ratio_vs_fsdp2",
+                                     "ours comm MiB", "fsdp2 comm MiB", "theory MiB", "comm_bytes_ratio_vs_theory",
+                                     "comm_bytes_ratio_vs_fsdp2"], tablefmt="github")]
+    if speed:
+        models = sorted({s["model"] for s in speed})
+        lines += ["", "Models: " + "; ".join(models) + ". Every size and implementation steps in the same ranks, "
+                  "interleaved. Comm = bytes all-gathered (unsharded output) + reduce-scattered (unsharded input) "
+                  "per step, counted at the c10d ops. Theory (FULL_SHARD): non-root units all-gather twice, the "
+                  "root once, every unit reduce-scatters once."]
+    return lines
+
+
+def _categories_markdown(rows: list[dict], impls: tuple[str, ...]) -> list[str]:
+    categories = [c for c in live_memory.CATEGORIES
+                  if any(r[i]["peak_by_category"].get(c) for r in rows for i in impls if i in r)]
+    table = []
+    for r in rows:
+        for name in impls:
+            if name in r:
+                m = r[name]
+                table.append([r["world_size"], name, m["peak_phase"]]
+                             + [_mb(m["peak_by_category"].get(c, 0)) for c in categories] + [_mb(m["peak_bytes"])])
+    return [tabulate(table, headers=["W", "impl", "peak in"] + [f"{c} MiB" for c in categories] + ["total MiB"],
+                     tablefmt="github")]
+
+
+def render_markdown(result: dict) -> str:
+    env = result["environment"]
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Measured by `python -m harness bench` on {env['cpu_count']} CPU cores ({env['machine']}), "
+        f"torch {env['torch']}, {env['backend']}, {env['threads_per_rank']} intra-op thread per rank"
+        + (" (smoke run: tiny model, figures meaningless)" if env["smoke"] else "") + ".",
+        "",
+        "## Step time and communication (ours vs torch FSDP2, interleaved, median)",
+        "",
+        *_speed_markdown(result["speed"]),
+    ]
+    memory = result["memory"]
+    if memory:
+        lines += ["", f"## Live-tensor memory per rank ({memory[0]['model']}, {memory[0]['num_params'] / 1e6:.1f}M "
+                  "parameters, AdamW, fp32, built on meta)", ""]
+        rows = []
+        for r in memory:
+            rows.append([r["world_size"], _mb(r["ideal_bytes"]), _mb(r["ours"]["peak_bytes"]),
+                         f"{r['ours']['peak_ratio_vs_ideal']:.3f}", _mb(r["fsdp2"]["peak_bytes"]),
+                         f"{r['fsdp2']['peak_ratio_vs_ideal']:.3f}", _mb(r["ours"]["init_peak_bytes"]),
+                         _mb(r["ours"]["peak_rss_growth_bytes"]), _mb(r["fsdp2"]["peak_rss_growth_bytes"])])
+        lines.append(tabulate(rows, headers=["W", "ideal MiB", "ours peak MiB", "ours peak / ideal", "fsdp2 peak MiB",
+                                             "fsdp2 peak / ideal", "ours init peak MiB", "ours RSS growth MiB",
+                                             "fsdp2 RSS growth MiB"], tablefmt="github"))
+        lines += ["", "Where each peak is (the rank with the highest peak; bytes live at that instant by category):",
+                  "", *_categories_markdown(memory, ("ours", "fsdp2"))]
+    medium = result.get("medium", [])
+    if medium:
+        lines += ["", f"## GPT-2-medium-shaped model ({medium[0]['model']}, {medium[0]['num_params'] / 1e6:.1f}M "
+                  "parameters, AdamW, fp32, built on meta), ours, next to the seeds' figures", ""]
+        rows = []
+        for r in medium:
+            w = r["world_size"]
+            rows.append([w, _mb(r["ours"]["sharded_param_bytes"]), _mb(r["ideal_bytes"]), _mb(r["ours"]["peak_bytes"]),
+                         f"{r['ours']['peak_ratio_vs_ideal']:.3f}", _mb(r["ours"]["init_peak_bytes"]),
+                         _mb(r["ours"]["peak_rss_growth_bytes"]), SEED_PARAM_MB.get(w, ""), SEED_PEAK_MB.get(w, "")])
+        lines.append(tabulate(rows, headers=["W", "params MiB", "ideal MiB", "peak MiB", "peak / ideal",
+                                             "init peak MiB", "RSS growth MiB", "seeds: params MB",
+                                             "seeds: peak MB"], tablefmt="github"))
+        by_w = {r["world_size"]: r["ours"] for r in medium}
+        if 1 in by_w and 8 in by_w:
+            lines += ["", f"Per-rank peak W = 1 / W = 8: {by_w[1]['peak_bytes'] / by_w[8]['peak_bytes']:.2f}x "
+                      f"(parameters {by_w[1]['sharded_param_bytes'] / by_w[8]['sharded_param_bytes']:.2f}x; the seeds: "
+                      f"{SEED_PARAM_MB[1] / SEED_PARAM_MB[8]:.1f}x parameters, {SEED_PEAK_MB[1] / SEED_PEAK_MB[8]:.1f}x "
+                      f"peak). Init peak at W = 8: {_mb(by_w[8]['init_peak_bytes'])} MiB against "
+                      f"{_mb(medium[0]['full_param_bytes'])} MiB of full parameters."]
+        lines += ["", "Where each peak is:", "", *_categories_markdown(medium, ("ours",))]
+    if memory or medium:
+        lines += ["", "Live-tensor bytes are counted per storage from allocation to free (harness/bench/live_memory.py: "
+                  "a dispatch mode, weak references, storage resizes), for every implementation alike. Ideal = "
+                  "the plain model's step on the same per-rank batch, measured the same way, with parameters, "
+                  "gradients and optimizer state divided by W, plus (W > 1) the largest unit's parameters and "
+                  "gradient unsharded. Init peak = live bytes while the meta-built model is materialised. RSS "
+                  "growth = the process's resident-set high-water mark minus its size before the model was "
+                  "built: live tensors plus what the allocator keeps after frees (glibc malloc rarely returns "
+                  "freed memory to the OS), plus the warm-up step's peak, so it is an upper bound that does not "
+                  "fall with W the way live tensors do."]
+    t = result.get("throughput")
+    if t:
+        lines += ["", "## Harness throughput", "",
+                  tabulate([["bare torchrun per world size (floor)", f"{t['bare_launch_floor_s']:.1f}", "1.00"],
+                            ["batched: one torchrun per world size", f"{t['batched_s']:.1f}", f"{t['batched_ratio_vs_floor']:.2f}"],
+                            ["one torchrun per cell", f"{t['per_cell_s']:.1f}", f"{t['per_cell_s'] / t['bare_launch_floor_s']:.2f}"]],
+                           headers=["matrix: " + t["matrix"], "wall s", "x floor"], tablefmt="github"),
+                  "", f"One launch per cell is {t['per_cell_ratio_vs_batched']:.2f}x the batched wall time."]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(result: dict, out_dir: Path) -> None:
+    for name, text in (("bench.json", json.dumps(result, indent=1)), ("bench.md", render_markdown(result))):
+        tmp = out_dir / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out_dir / name)

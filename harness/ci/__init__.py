@@ -1,0 +1,1 @@
+"""CI verbs built on a run: gate, golden baselines, bisect, mutants."""

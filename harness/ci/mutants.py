@@ -1,0 +1,241 @@
+"""`python -m harness mutants`: every planted fault of impl/ (impl.FAULTS) must be caught, and the
+honest run must pass with room to spare.
+
+Two batteries, both once unmutated and once per fault:
+- the gate matrix (catalog cases through the standard run machinery; a fault is part of the
+  Cell, so every mutant of one world size shares ONE torchrun launch);
+- a fixed corpus of fuzz models through one persistent rank pool per world size: the features
+  the catalog cases lack (tied parameters in one unit, gradient accumulation, frozen parameters,
+  units with fewer elements than ranks, nested units).
+A mutant is caught when any cell or corpus model fails a check (or a rank raises or hangs); the
+table names the check of its strongest evidence and its |diff| / tol. The honest margin is the
+largest |diff| / tol of every tolerance check over every honest cell and corpus model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from cases.catalog import OptimizerSpec
+from harness.judge.diff import BOUNDED, JUDGED, Violation
+from harness.errors import UserError
+from harness.fuzz.check import ExampleResult, run_example
+from harness.fuzz.pool import PoolConfig, RankPool
+from harness.fuzz.spec import BlockSpec, ModelSpec
+from harness.run.output import OutputDir
+from harness.run.snapshot import write_atomic_text
+
+GATE_CASES = ("mlp", "transformer")
+GATE_WORLD_SIZES = (2, 4)  # W = 4: uneven and smaller-than-W flat parameters (see cases/catalog.py)
+GATE_STEPS = 2
+CORPUS_WORLD_SIZES = (2, 4)
+HONEST = "(none)"
+# Faults that act only under a feature the standard cases lack: their cells run these cases too
+# (and so do the honest cells, so the honest margin covers them).
+FAULT_CASES = {
+    "master_lost_to_param_dtype": ("mixed_precision", "mixed_precision_bf16_reduce"),
+    "no_grad_average": ("mixed_precision", "mixed_precision_bf16_reduce"),
+    "replica_grad_drift": ("no_shard", "hybrid_shard"),
+}
+
+
+def corpus(world_size: int) -> dict[str, ModelSpec]:
+    """Fixed fuzz models covering what the catalog cases do not."""
+    w = world_size
+    adamw = OptimizerSpec("adamw", lr=1e-3, weight_decay=0.01)
+    sgd = OptimizerSpec("sgd", lr=0.05, momentum=0.9)
+    return {
+        "tied_accum": ModelSpec(w, 3, 2, (
+            BlockSpec(width=3, tied=True, gain=True, aux_numel=w + 1),
+            BlockSpec(width=2, bias=False, aux_numel=2 * w - 1),
+        ), adamw, steps=2, batch_per_rank=2, accumulation=2, data_mode="split", seed=1),
+        "nested_frozen_small": ModelSpec(w, 2, 1, (
+            BlockSpec(width=4, frozen=True, inner=BlockSpec(width=1, bias=False, inner=BlockSpec(
+                width=2, tied=True, aux_numel=max(1, w - 1)))),
+        ), sgd, steps=2, batch_per_rank=2, accumulation=2, sync_every_micro=False, data_mode="identical", seed=2),
+    }
+
+
+@dataclass
+class Evidence:
+    """One run (gate cell or corpus model) of one mutant."""
+
+    source: str  # 'gate <cell id>' or 'fuzz <corpus name> W=<w>'
+    violations: list[Violation] = field(default_factory=list)
+    margins: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or bool(self.violations)
+
+    @property
+    def first(self) -> Violation | None:
+        return min(self.violations, key=Violation.sort_key) if self.violations else None
+
+
+@dataclass
+class MutantRow:
+    mutant: str
+    what: str
+    evidence: list[Evidence] = field(default_factory=list)
+
+    @property
+    def caught(self) -> bool:
+        return any(e.failed for e in self.evidence)
+
+    def strongest(self) -> Evidence | None:
+        failed = [e for e in self.evidence if e.failed]
+        if not failed:
+            return None
+        # The gate's own evidence first; then an exact check (inf) or the largest ratio; a crash
+        # only when nothing else caught it.
+        return max(failed, key=lambda e: (e.source.startswith("gate"), max((v.ratio for v in e.violations), default=-1.0)))
+
+    def failing(self, source: str) -> str:
+        runs = [e for e in self.evidence if e.source.startswith(source)]
+        return f"{sum(e.failed for e in runs)}/{len(runs)}"
+
+    def check(self) -> str:
+        e = self.strongest()
+        if e is None:
+            return "-"
+        if e.first is None:
+            return "crash"
+        return e.first.check
+
+    def ratio(self, checks: tuple[str, ...] = BOUNDED) -> float:
+        """|diff| / tol of the first divergence of its strongest evidence; for an honest row the
+        largest margin of `checks`."""
+        if self.mutant == HONEST:
+            return max((e.margins.get(c, 0.0) for e in self.evidence for c in checks), default=0.0)
+        e = self.strongest()
+        if e is None:
+            return max((e.margins.get(c, 0.0) for e in self.evidence for c in JUDGED), default=0.0)
+        return e.first.ratio if e.first is not None else math.inf
+
+    def first_divergence(self) -> str:
+        e = self.strongest()
+        if e is None:
+            return ""
+        if e.first is None:
+            return f"{e.source}: " + (e.error or "").strip().splitlines()[-1][:200]
+        return e.first.describe(e.source)
+
+
+def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float,
+                   world_sizes: tuple[int, ...]) -> dict[str, list[Evidence]]:
+    from harness.run.orchestrate import Progress, run_plan
+    from harness.run.plan import build_plan
+    from harness.report.build import build_report, report_files
+    from harness.judge.verdict import evaluate
+
+    extra = tuple(sorted({c for f in faults for c in FAULT_CASES.get(f, ())}))
+    base = build_plan(cases=GATE_CASES + extra, impls=("ours",), world_sizes=world_sizes,
+                      data_modes=("identical", "split"), steps=GATE_STEPS, timeout_s=timeout_s,
+                      out_dir=out_dir)
+    cells = base.cells + tuple(replace(c, faults=(f,)) for f in faults for c in base.cells
+                               if c.case in GATE_CASES + FAULT_CASES.get(f, ()))
+    plan = replace(base, cells=cells)
+    with OutputDir(plan.out_dir, plan.run_id, ("snapshots", "logs", "init")) as output:
+        outcome = run_plan(plan, Progress(plan))
+        results, references, matrices = evaluate(plan, outcome)
+        output.write_report_set(report_files(
+            build_report(results, references, matrices, outcome, "python -m harness mutants (gate battery)")))
+    by_fault: dict[str, list[Evidence]] = {}
+    for r in results:
+        key = r.cell.faults[0] if r.cell.faults else HONEST
+        by_fault.setdefault(key, []).append(
+            Evidence(f"gate {r.cell.cell_id}", r.violations, r.margins(), r.error))
+    for r in references:
+        if r.verdict != "pass":  # a broken reference spoils every comparison: report it as honest failure
+            by_fault.setdefault(HONEST, []).append(Evidence(f"gate {r.cell.cell_id}", r.violations, {}, r.error))
+    return by_fault
+
+
+def _corpus_evidence(out_dir: Path, faults: list[str], world_sizes: tuple[int, ...]) -> dict[str, list[Evidence]]:
+    by_fault: dict[str, list[Evidence]] = {}
+    for w in world_sizes:
+        with RankPool(PoolConfig(w, out_dir / "logs", example_timeout_s=60.0)) as pool:
+            for name, spec in corpus(w).items():
+                for fault in [HONEST, *faults]:
+                    res: ExampleResult = run_example(pool, spec, () if fault == HONEST else (fault,))
+                    by_fault.setdefault(fault, []).append(
+                        Evidence(f"fuzz {name} W={w}", res.violations, res.margins, res.error))
+    return by_fault
+
+
+def _fmt_ratio(x: float) -> str:
+    return "inf (exact check)" if math.isinf(x) else f"{x:.3g}"
+
+
+def table(rows: list[MutantRow]) -> str:
+    lines = ["| mutant | caught | check | margin: diff/tol | failing runs: gate, fuzz | first divergence |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        if row.mutant == HONEST:
+            ok = not row.caught
+            lines.append(f"| {HONEST} (honest) | {'passes' if ok else 'FAILS'} | - | {_fmt_ratio(row.ratio())} (max over "
+                         f"{len(row.evidence)} runs) | {row.failing('gate')}, {row.failing('fuzz')} | "
+                         f"{row.first_divergence().replace('|', '/')} |")
+        else:
+            lines.append(f"| {row.mutant} | {'yes' if row.caught else 'NO'} | {row.check()} | {_fmt_ratio(row.ratio())} | "
+                         f"{row.failing('gate')}, {row.failing('fuzz')} | {row.first_divergence().replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
+         world_sizes: tuple[int, ...] | None = None) -> bool:
+    """world_sizes: both batteries at these W instead of GATE_WORLD_SIZES / CORPUS_WORLD_SIZES."""
+    from impl import FAULTS
+
+    gate_world_sizes = world_sizes or GATE_WORLD_SIZES
+    corpus_world_sizes = world_sizes or CORPUS_WORLD_SIZES
+    if min(gate_world_sizes) < 2:
+        raise UserError(f"mutants world sizes {list(gate_world_sizes)}: every fault needs W >= 2 to act")
+
+    faults = list(only) if only else sorted(FAULTS)
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        raise UserError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
+    with OutputDir(out_dir, uuid.uuid4().hex, ("gate", "fuzz", "mutants.md")):
+        return _run(out_dir, faults, FAULTS, timeout_s, gate_world_sizes, corpus_world_sizes)
+
+
+def _run(out_dir: Path, faults: list[str], descriptions: dict[str, str], timeout_s: float,
+         gate_world_sizes: tuple[int, ...], corpus_world_sizes: tuple[int, ...]) -> bool:
+    start = time.monotonic()
+    gate = _gate_evidence(out_dir / "gate", faults, timeout_s, gate_world_sizes)
+    gate_s = time.monotonic() - start
+    fuzz = _corpus_evidence(out_dir / "fuzz", faults, corpus_world_sizes)
+    rows = [MutantRow(HONEST, "unmutated", gate.get(HONEST, []) + fuzz.get(HONEST, []))]
+    rows += [MutantRow(f, descriptions[f], gate.get(f, []) + fuzz.get(f, [])) for f in faults]
+    honest = rows[0]
+    honest_margin = honest.ratio()
+    per_source = {
+        "gate": [r for r in rows[1:] if any(e.failed for e in r.evidence if e.source.startswith("gate"))],
+        "fuzz": [r for r in rows[1:] if any(e.failed for e in r.evidence if e.source.startswith("fuzz"))],
+    }
+    ok = not honest.caught and all(r.caught for r in rows[1:])
+    text = "\n".join([
+        f"# Mutants: {'PASS' if ok else 'FAIL'}", "",
+        f"Batteries: gate matrix (cases {list(GATE_CASES)} for every fault, and per fault {FAULT_CASES}; impl=ours, W={list(gate_world_sizes)}, identical+split "
+        f"data, {GATE_STEPS} steps, sgd+adamw; one launch per W for all mutants, {gate_s:.0f}s) and the fuzz corpus "
+        f"({sorted(corpus(2))} at W={list(corpus_world_sizes)}, one rank pool per W).",
+        f"Caught by the gate battery: {len(per_source['gate'])}/{len(faults)}; by the fuzz corpus: "
+        f"{len(per_source['fuzz'])}/{len(faults)}.", "",
+        table(rows), "",
+        f"Honest margin (largest |diff|/tol of the {'/'.join(BOUNDED)} checks over every honest run): "
+        f"{honest_margin:.3g} -> {'below' if honest_margin < 0.5 else 'NOT below'} half the tolerance.",
+        f"Honest bias margin (largest |count - n/2| / threshold of a gradient's sign counts, |z| / 7.5 for fair "
+        f"coins; fails above 1): {honest.ratio(('bias',)):.3g}.",
+        f"Wall time {time.monotonic() - start:.0f}s.",
+    ])
+    write_atomic_text(out_dir / "mutants.md", text + "\n")
+    print(text)
+    print(f"report: {out_dir / 'mutants.md'}")
+    return ok

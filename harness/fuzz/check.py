@@ -1,0 +1,121 @@
+"""One fuzz example end to end: request the pool, rebuild full tensors from the ranks' raw shards,
+step the single-process shadow reference, and judge with the harness's own checks.
+
+The snapshot assembled here has the format of `harness.run.snapshot` (minus the trajectory
+reference), so `harness.judge.diff.check_snapshot` applies the same error model, padding and
+rank-agreement checks to a drawn model as to a catalog case.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.judge.diff import CHECK_ORDER, Violation, check_snapshot
+from harness.fuzz.pool import ExampleError, RankPool
+from harness.fuzz.spec import ModelSpec, as_case, init_state
+from harness.run.plan import Cell
+from harness.run.snapshot import FORMAT
+from harness.judge.shadow import Shadow
+
+
+@dataclass
+class ExampleResult:
+    spec: ModelSpec
+    faults: tuple[str, ...]
+    violations: list[Violation] = field(default_factory=list)
+    margins: dict[str, float] = field(default_factory=dict)  # check -> max |diff| / tol
+    error: str | None = None  # a rank raised, died or hung
+    rank_s: float = 0.0  # the slowest rank's time on the example (training and snapshots)
+    checks: dict[str, dict] = field(default_factory=dict)  # check -> what it compared (CheckStats.summary)
+    aligned_numels: dict[str, int] = field(default_factory=dict)  # flat key -> numel the sharding divides
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.violations
+
+    @property
+    def first_divergence(self) -> Violation | None:
+        return min(self.violations, key=Violation.sort_key) if self.violations else None
+
+    @property
+    def max_ratio(self) -> float:
+        """The largest |diff| / tol of the checks that judged (inf for an exact check broken)."""
+        if self.violations:
+            return max(v.ratio for v in self.violations)
+        return max((self.margins.get(c, 0.0) for c in CHECK_ORDER), default=0.0)
+
+    def summary(self) -> str:
+        if self.error is not None:
+            return "error: " + self.error.strip().splitlines()[-1]
+        first = self.first_divergence
+        return "pass" if first is None else first.describe("fuzz")
+
+
+def _full(stacked: dict[str, torch.Tensor], name_layouts: dict, sizes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """{key: (W, shard_numel)} raw shards -> full tensors under the plain model's names, sliced at
+    the offsets the impl reported (its padded buffer is the shards concatenated in rank order)."""
+    out = {}
+    for name, layout in name_layouts.items():
+        rows = stacked.get(layout["flat_key"])
+        if rows is not None and name in sizes:
+            size = sizes[name]
+            out[name] = rows.reshape(-1)[layout["offset"] : layout["offset"] + size.numel()].view(size).clone()
+    return out
+
+
+def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[dict],
+                      init: dict[str, torch.Tensor]) -> dict:
+    case = as_case(spec)
+    rank_layouts = [json.loads(r["layouts"]) for r in replies]
+    name_layouts = rank_layouts[0]["names"]
+    sizes = {n: p.shape for n, p in case.build_model().named_parameters()}
+
+    def stack(per_rank: list[dict]) -> dict[str, torch.Tensor]:
+        return {key: torch.stack([r[key] for r in per_rank]) for key in per_rank[0]}
+
+    def full(stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return _full(stacked, name_layouts, sizes)
+
+    # Each rank's own padding intervals: a rank with a wrong layout shows up in the padding check.
+    padding_intervals = {key: [lay["padding_intervals"][key] for lay in rank_layouts]
+                         for key in rank_layouts[0]["padding_intervals"]}
+
+    shadow = Shadow(case, spec.optimizer, init, num_micro=spec.accumulation)
+    steps, params_before = [], full(stack([r["init"] for r in replies]))
+    for t in range(spec.steps):
+        shards = stack([r["data"][t] for r in replies])
+        shard_grads = stack([r["grads"][t] for r in replies]) if replies[0]["grads"][t] else {}
+        params = full(shards)
+        batch = case.make_batch(case.seed, t + 1, case.global_batch)
+        steps.append({"step": t + 1, "loss": torch.stack([r["loss"][t] for r in replies]),
+                      "grads": full(shard_grads), "params": params, "shards": shards,
+                      "shard_grads": shard_grads, "padding_intervals": padding_intervals,
+                      # Full tensors are assembled from one set of shards here: no replicas to compare.
+                      "replicas": None,
+                      "shadow": shadow.step(params_before, batch, spec.data_mode, spec.world_size)})
+        params_before = params
+    cell = Cell("fuzz", "ours", spec.world_size, spec.data_mode, spec.steps, faults=tuple(sorted(faults)))
+    return {"format": FORMAT, "cell": cell.to_json(), "optimizer": spec.optimizer.kind,
+            "world_size": spec.world_size, "layouts": name_layouts,
+            "init": {"params": full(stack([r["init"] for r in replies]))}, "steps": steps}
+
+
+def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = ()) -> ExampleResult:
+    init = init_state(spec)
+    try:
+        replies = pool.run({"spec": spec.to_json(), "faults": list(faults), "init": init})
+    except ExampleError as e:
+        return ExampleResult(spec, faults, error=str(e))
+    snap = assemble_snapshot(spec, faults, replies, init)
+    names = snap["init"]["params"]
+    result = check_snapshot(snap, {n: init[n] for n in names}, None, case=as_case(spec))
+    missing = sorted(set(dict(as_case(spec).build_model().named_parameters())) - set(names))
+    out = ExampleResult(spec, faults, result.violations, result.margins,
+                        rank_s=max(float(r.get("rank_s", 0.0)) for r in replies), checks=result.checks,
+                        aligned_numels={lay["flat_key"]: lay["aligned_numel"] for lay in snap["layouts"].values()})
+    if missing:  # a parameter the shards never mention is evidence lost, not a pass
+        out.error = f"parameters missing from every rank's shards: {missing}"
+    return out

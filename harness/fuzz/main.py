@@ -1,0 +1,248 @@
+"""`python -m harness fuzz`: hypothesis draws models in this process, a persistent pool of W ranks
+trains each through impl=ours, and the harness's checks judge it against the single-process
+shadow reference. A failure is shrunk to a minimal model and printed as a ready-to-run case.
+
+Strategies aim at the numels where sharding breaks (see tests/strategies.py for the pure
+layout-level counterparts): each block's auxiliary parameter is sized so that its unit's flat
+numel lands below W, at W*k - 1, W*k, W*k + 1 or on a prime.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+
+from cases.catalog import OptimizerSpec
+from harness.judge.diff import JUDGED
+from harness.errors import UserError
+from harness.fuzz.check import ExampleResult, run_example
+from harness.fuzz.pool import PoolConfig, RankPool
+from harness.fuzz.spec import MAX_NESTING, BlockSpec, ModelSpec, describe
+from harness.run.output import OutputDir
+from harness.run.plan import MAX_CPU_WORLD_SIZE
+
+OPTIMIZERS = (
+    OptimizerSpec("sgd", lr=0.05),
+    OptimizerSpec("sgd", lr=0.05, momentum=0.9),
+    OptimizerSpec("adamw", lr=1e-3, weight_decay=0.01),
+)
+NUMEL_FAMILIES = ("none", "below_w", "w_k_minus_1", "w_k", "w_k_plus_1", "prime")
+PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47)
+
+
+def _own_numel(in_features: int, width: int, bias: bool, tied: bool, gain: bool) -> int:
+    return in_features * width + (width if bias else 0) + (width * width if tied else 0) + int(gain)
+
+
+@st.composite
+def target_numels(draw, world_size: int, base: int) -> int:
+    """An aux numel that puts `base + aux` (the unit's flat numel) on a padding edge, or 0."""
+    family = draw(st.sampled_from(NUMEL_FAMILIES))
+    if family == "none":
+        return 0
+    if family == "below_w":
+        return draw(st.integers(1, max(1, world_size - 1)))  # alone in a small unit, or size 1
+    if family == "prime":
+        target = draw(st.sampled_from(PRIMES))
+    else:
+        k = draw(st.integers(1, 4))
+        target = world_size * k + {"w_k_minus_1": -1, "w_k": 0, "w_k_plus_1": 1}[family]
+    return target - base if target > base else max(1, target)
+
+
+@st.composite
+def block_specs(draw, world_size: int, in_features: int, depth: int = 1) -> BlockSpec:
+    width = draw(st.integers(1, 5))
+    bias, tied, gain, frozen = (draw(st.booleans()) for _ in range(4))
+    aux = draw(target_numels(world_size, _own_numel(in_features, width, bias, tied, gain)))
+    wrap = draw(st.booleans())
+    inner = draw(st.none() | block_specs(world_size, width, depth + 1)) if depth < MAX_NESTING else None
+    return BlockSpec(width=width, bias=bias, tied=tied, aux_numel=aux, gain=gain, frozen=frozen,
+                     wrap=not wrap, inner=inner)  # wrap=True shrinks to False: prefer wrapped units
+
+
+def model_specs(world_size: int) -> st.SearchStrategy[ModelSpec]:
+    """Models for a pool of `world_size` ranks (checked here, not at the first draw)."""
+    if world_size < 1:
+        raise ValueError(f"model_specs world_size={world_size} must be >= 1")
+    return _model_specs(world_size)
+
+
+@st.composite
+def _model_specs(draw, world_size: int) -> ModelSpec:
+    in_features = draw(st.integers(1, 5))
+    blocks, width = [], in_features
+    for _ in range(draw(st.integers(1, 3))):
+        block = draw(block_specs(world_size, width))
+        blocks.append(block)
+        while block.inner is not None:
+            block = block.inner
+        width = block.width
+    accumulation = draw(st.sampled_from((1, 2)))
+    data_mode = draw(st.sampled_from(("split", "identical")))
+    return ModelSpec(
+        world_size=world_size,
+        in_features=in_features,
+        out_features=draw(st.integers(1, 3)),
+        blocks=tuple(blocks),
+        optimizer=draw(st.sampled_from(OPTIMIZERS)),
+        steps=draw(st.integers(2, 3)),
+        batch_per_rank=accumulation * draw(st.integers(1, 2)),
+        accumulation=accumulation,
+        sync_every_micro=draw(st.booleans()),
+        data_mode=data_mode,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@dataclass
+class FuzzStats:
+    num_examples: int = 0
+    example_s: float = 0.0
+    rank_s: float = 0.0  # of example_s, the time the ranks spent training
+    honest_margins: dict[str, float] = field(default_factory=dict)  # check -> max over passing examples
+    failures: list[ExampleResult] = field(default_factory=list)
+
+    def record(self, result: ExampleResult, seconds: float) -> None:
+        self.num_examples += 1
+        self.example_s += seconds
+        self.rank_s += result.rank_s
+        if result.ok:
+            for check, value in result.margins.items():
+                self.honest_margins[check] = max(self.honest_margins.get(check, 0.0), value)
+        else:
+            self.failures.append(result)
+
+
+class _Falsified(AssertionError):
+    pass
+
+
+def warm_up_spec(world_size: int) -> ModelSpec:
+    return ModelSpec(world_size, 2, 1, (BlockSpec(width=2, inner=BlockSpec(width=1)),), OPTIMIZERS[0])
+
+
+def replay_command(spec: ModelSpec, faults: tuple[str, ...]) -> str:
+    cmd = f"python -m harness fuzz --world-size {spec.world_size} --replay {shlex.quote(spec.to_json())}"
+    return cmd + (f" --faults {','.join(faults)}" if faults else "")
+
+
+def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: tuple[str, ...] = (),
+         on_example=None) -> FuzzStats:
+    """Run hypothesis against the pool; stats.failures[-1] is the shrunk example when it failed."""
+    stats = FuzzStats()
+
+    @hypothesis_seed(seed)
+    @settings(max_examples=max_examples, deadline=None, database=None, report_multiple_bugs=False,
+              suppress_health_check=list(HealthCheck), print_blob=False,
+              phases=(Phase.generate, Phase.shrink))
+    @given(model_specs(world_size))
+    def prop(spec: ModelSpec) -> None:
+        start = time.perf_counter()
+        result = run_example(pool, spec, faults)
+        stats.record(result, time.perf_counter() - start)
+        if on_example is not None:
+            on_example(stats, result)
+        if not result.ok:
+            raise _Falsified(result.summary())
+
+    try:
+        prop()
+    except _Falsified:
+        pass
+    return stats
+
+
+def format_failure(result: ExampleResult) -> str:
+    spec = result.spec
+    lines = [f"minimal failing model (W={spec.world_size}, optimizer={spec.optimizer.kind}, steps={spec.steps}, "
+             f"data={spec.data_mode}, accumulation={spec.accumulation}, faults={list(result.faults)}):",
+             describe(spec), f"  spec: {spec.to_json()}", f"  first divergence: {result.summary()}"]
+    if result.error is not None:
+        lines.append("  " + "\n  ".join(result.error.strip().splitlines()[-15:]))
+    lines.append(f"  replay: {replay_command(spec, result.faults)}")
+    return "\n".join(lines)
+
+
+def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...], replay: str | None,
+         out_dir: Path, threads: int, example_timeout_s: float, progress: bool = True) -> bool:
+    """True when every example passed. Library-level: raises UserError for bad arguments (before
+    any rank starts), PoolLost when the infrastructure took a rank away; never exits."""
+    if max_examples < 1:
+        raise UserError(f"--max-examples={max_examples} must be >= 1")
+    if threads < 1:
+        raise UserError(f"--threads={threads} must be >= 1 (intra-op threads per rank)")
+    if not example_timeout_s > 0:
+        raise UserError(f"--example-timeout={example_timeout_s} must be > 0 seconds")
+    if not 1 <= world_size <= MAX_CPU_WORLD_SIZE:
+        raise UserError(f"--world-size={world_size} must be between 1 and {MAX_CPU_WORLD_SIZE} (every rank of the "
+                        f"pool is a process importing torch on this host)")
+    if faults:
+        from impl import FAULTS
+
+        unknown = sorted(set(faults) - set(FAULTS))
+        if unknown:
+            raise UserError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
+    try:
+        spec = ModelSpec.from_json(replay) if replay else None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"--replay is not a model spec ({type(e).__name__}: {e}); pass the JSON a failing fuzz run "
+                        f"printed after 'replay: ... --replay'") from None
+    if spec is not None and spec.world_size != world_size:
+        raise UserError(f"--replay spec world_size={spec.world_size} != --world-size={world_size}")
+    config = PoolConfig(world_size, out_dir / "logs", threads=threads, example_timeout_s=example_timeout_s)
+    with OutputDir(out_dir, uuid.uuid4().hex, ("logs",)):  # owned and locked: pool logs of one run only
+        return _main(config, spec, max_examples, seed, faults, progress)
+
+
+def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: int, faults: tuple[str, ...],
+          progress: bool) -> bool:
+    world_size = config.world_size
+    with RankPool(config) as pool:
+        # The first example pays for lazy imports and kernel set-up in every rank: start-up, not rate.
+        warm = time.perf_counter()
+        run_example(pool, warm_up_spec(world_size))
+        start_s = pool.start_s + time.perf_counter() - warm
+        print(f"[fuzz] pool of {world_size} ranks started in {start_s:.1f}s", flush=True)
+        if spec is not None:
+            result = run_example(pool, spec, faults)
+            print(describe(spec))
+            print("[fuzz] replay: " + (f"pass (margins {_fmt_margins(result.margins)})" if result.ok
+                                       else "FAIL\n" + format_failure(result)))
+            return result.ok
+
+        def show(stats: FuzzStats, result: ExampleResult) -> None:
+            if progress and (stats.num_examples % 10 == 0 or not result.ok):
+                print(f"[fuzz] {stats.num_examples} examples, {len(stats.failures)} failing, "
+                      f"{stats.num_examples / max(stats.example_s, 1e-9):.1f} examples/s", flush=True)
+
+        wall = time.perf_counter()
+        stats = fuzz(pool, world_size, max_examples, seed, faults, show)
+        wall = time.perf_counter() - wall
+        restarts = pool.num_starts - 1
+    rate = stats.num_examples / max(wall, 1e-9)
+    print(f"[fuzz] W={world_size} seed={seed} faults={list(faults)}: {stats.num_examples} examples "
+          f"(shrinking included) in {wall:.1f}s = {rate:.1f} examples/s; pool start-up {start_s:.1f}s "
+          f"paid once, {restarts} restart(s) after failing examples")
+    if stats.num_examples:
+        per = 1e3 / stats.num_examples
+        print(f"[fuzz] per example: {stats.example_s * per:.0f} ms, of which ranks training {stats.rank_s * per:.0f} ms "
+              f"(collectives included), the rest request/reply, the reference and the checks")
+    if stats.honest_margins:
+        print(f"[fuzz] largest honest |diff|/tol over passing examples: {_fmt_margins(stats.honest_margins)}")
+    if stats.failures:
+        print("[fuzz] FAIL: " + format_failure(stats.failures[-1]))
+        return False
+    print(f"[fuzz] PASS: {stats.num_examples} examples, none failing")
+    return True
+
+
+def _fmt_margins(margins: dict[str, float]) -> str:
+    return ", ".join(f"{k}={margins[k]:.3g}" for k in JUDGED if k in margins)

@@ -1,0 +1,202 @@
+"""The fuzzer's persistent pool of W torchrun ranks, seen from the orchestrator.
+
+Start-up (torchrun, imports, the gloo group) is paid once per pool, not per example. Requests
+and replies travel through a TCPStore the orchestrator hosts (`harness.fuzz.worker` documents
+the keys). A rank that raises, a rank that dies and an example that overruns its timeout all
+become an `ExampleError` carrying the ranks' logs; the pool is then torn down (every process
+of the launch killed, as `harness.run.launch` does) and started afresh for the next example. A rank
+ended by a signal from outside the run (killed, out of memory) is no evidence about the example:
+that raises `PoolLost` instead, which ends the fuzzing with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from harness.errors import PoolLost
+from harness.fuzz.worker import decode, encode
+from harness.run.launch import (EXTERNAL_SIGNALS, _processes_with, _read_rank_logs, _signal_all, child_env, free_port,
+                            kill_launch, root_cause_signal, start_launcher)
+
+POLL_S = 0.25  # checks for a dead or hung pool
+REPLY_POLL_S = 0.001
+LOST_GRACE_S = 5.0  # for torchrun to report a rank killed from outside (see RankPool._fail)
+
+
+class ExampleError(Exception):
+    """An example that produced no evidence: a rank raised, died or hung."""
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    world_size: int
+    log_dir: Path
+    threads: int = 1
+    example_timeout_s: float = 60.0
+    start_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"PoolConfig world_size={self.world_size} must be >= 1")
+        if not (self.example_timeout_s > 0 and self.start_timeout_s > 0):
+            raise ValueError(f"PoolConfig timeouts example={self.example_timeout_s} start={self.start_timeout_s} must be > 0")
+
+
+class RankPool:
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.num_starts = 0
+        self.start_s = 0.0  # seconds spent starting pools, all restarts included
+        self._proc: subprocess.Popen | None = None
+        self._store: dist.TCPStore | None = None
+        self._launch_id = ""
+        self._next = 0
+        self._log_dir: Path | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        started = time.monotonic()
+        cfg = self.config
+        self._log_dir = (cfg.log_dir / f"pool-{self.num_starts}").resolve()
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=cfg.example_timeout_s))
+        config_file = self._log_dir / "pool.json"
+        config_file.write_text(json.dumps({
+            "host": "127.0.0.1", "port": self._store.port, "threads": cfg.threads,
+            "collective_timeout_s": cfg.example_timeout_s, "idle_timeout_s": 24 * 3600,
+        }))
+        self._launch_id = uuid.uuid4().hex
+        env = child_env(self._launch_id, cfg.threads)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+               f"--nproc-per-node={cfg.world_size}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+               f"--log-dir={self._log_dir / 'ranks'}", "--redirects=3",
+               "-m", "harness.fuzz.worker", str(config_file)]
+        self._launcher_log = open(self._log_dir / "torchrun.log", "wb")
+        self._proc = start_launcher(cmd, env, self._launcher_log)
+        self._next = 0
+        self.num_starts += 1
+        try:
+            self._wait([f"ready/{r}" for r in range(cfg.world_size)], cfg.start_timeout_s, "start")
+        finally:
+            self.start_s += time.monotonic() - started
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            try:
+                self._store.set(f"req/{self._next}", encode({"stop": True}))
+                self._proc.wait(timeout=10)
+            except Exception:  # a stuck or dead pool is killed below either way
+                pass
+        self._kill()
+
+    def _kill(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        kill_launch(self._launch_id)
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._launcher_log.close()
+        self._proc, self._store = None, None
+
+    def __enter__(self) -> RankPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- requests -----------------------------------------------------------------------------------
+    def _failure_text(self, what: str) -> str:
+        logs = _read_rank_logs(self._log_dir / "ranks", self.config.world_size)
+        blocks = [log.prefixed(40) for log in logs if "Traceback" in log.stderr or "Thread 0x" in log.stderr]
+        if not blocks:
+            tail = (self._log_dir / "torchrun.log").read_text(errors="replace").splitlines()[-20:]
+            blocks = ["\n".join(f"[torchrun] {line}" for line in tail)]
+        return f"pool W={self.config.world_size}: {what}\n" + "\n".join(blocks)
+
+    def _wait(self, keys: list[str], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._store.check(keys):
+                return
+            time.sleep(POLL_S)
+            if self._proc.poll() is not None:
+                self._fail(self._failure_text(f"{what}: torchrun exited {self._proc.returncode}"))
+            if time.monotonic() > deadline:
+                _signal_all(_processes_with(self._launch_id, also="LOCAL_RANK="), signal.SIGUSR1)
+                time.sleep(1.5)  # the ranks' faulthandler dumps their stacks into the logs
+                self._fail(self._failure_text(f"{what}: no reply after {timeout_s:.0f}s (stacks below)"))
+
+    def _fail(self, text: str, grace_s: float = 0.0) -> NoReturn:
+        """Tear the pool down and raise PoolLost when torchrun names a rank ended by a signal from
+        outside the run as the first failure, else ExampleError(text). A rank that replied with
+        an error may be one whose peer was killed: torchrun gets `grace_s` to notice that."""
+        deadline = time.monotonic() + grace_s
+        while self._proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        cause = None
+        if self._proc.poll() is not None:
+            self._launcher_log.flush()
+            cause = root_cause_signal((self._log_dir / "torchrun.log").read_text(errors="replace"))
+        self._kill()
+        if cause is not None and cause[1] in EXTERNAL_SIGNALS:
+            raise PoolLost(f"pool W={self.config.world_size}: rank {cause[0]} was ended by {cause[1]} from outside "
+                           f"the run (killed, or out of memory); no example was judged, so there is no verdict "
+                           f"(rank logs: {self._log_dir})")
+        raise ExampleError(text)
+
+    def run(self, request: dict) -> list[dict]:
+        """Every rank's reply to one request, in rank order; ExampleError if any rank failed."""
+        if self._proc is None:
+            self.start()
+        i = self._next
+        self._next += 1
+        self._store.set(f"req/{i}", encode(request))
+        keys = [f"rep/{i}/{r}" for r in range(self.config.world_size)]
+        # A rank that raised answers at once; the others may never answer (stuck in a collective).
+        deadline = time.monotonic() + self.config.example_timeout_s
+        polls = 0
+        while not self._store.check(keys):
+            # A blocking store.wait would not notice a dead pool; a short sleep costs < 1 ms here.
+            time.sleep(REPLY_POLL_S)
+            polls += 1
+            if polls % int(POLL_S / REPLY_POLL_S):
+                continue
+            answered = [decode(self._store.get(k)) for k in keys if self._store.check([k])]
+            errors = [r["error"] for r in answered if "error" in r]
+            if errors:
+                self._fail("\n".join(errors), grace_s=LOST_GRACE_S)
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self._wait(keys, 0.0, f"request {i}")  # raises with the ranks' logs
+        replies = [decode(self._store.get(k)) for k in keys]
+        errors = [r["error"] for r in replies if "error" in r]
+        if errors:
+            self._fail("\n".join(errors), grace_s=LOST_GRACE_S)
+        for k in keys:
+            self._store.delete_key(k)
+        self._store.delete_key(f"req/{i}")
+        return replies

@@ -1,0 +1,125 @@
+"""Inside every rank of the fuzzer's persistent pool: serve examples until told to stop.
+
+Run as `python -m torch.distributed.run ... -m harness.fuzz.worker CONFIG`. The config file names
+the orchestrator's TCPStore; request i is the key `req/<i>` (a torch.save of the spec as JSON,
+the faults and the reference initial state), and every rank answers under `rep/<i>/<rank>` with
+its own raw shards per step (no collective is spent on evidence: the orchestrator stacks the
+ranks' shards itself). A rank that raises answers with its traceback; the orchestrator then
+restarts the pool, since the other ranks may be stuck in a collective.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import json
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cases.data import local_batch
+from harness.fuzz.spec import ModelSpec, as_case
+from harness.run import lifeline
+from harness.adapters.base import RankContext
+from harness.adapters.ours import Ours
+from harness.judge.shadow import forward_backward
+from harness.run.snapshot import _pack, _unpack
+
+
+def _shards(model) -> tuple[dict, dict]:
+    data, grads = {}, {}
+    for raw in Ours().raw_shards(model):
+        data[raw.key] = raw.data
+        if raw.grad is not None:
+            grads[raw.key] = raw.grad
+    return data, grads
+
+
+def _layouts(model) -> dict:
+    """The adapter's own layout data: per parameter name (offsets in the padded buffer) and, per
+    flat parameter, this rank's padding intervals; the orchestrator recomputes none of it."""
+    return {"names": Ours().layouts(model),
+            "padding_intervals": {raw.key: [list(iv) for iv in raw.padding_intervals]
+                                  for raw in Ours().raw_shards(model)}}
+
+
+def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.Tensor], ctx: RankContext) -> dict:
+    """Train the spec through impl=ours; this rank's raw shards after init and at every step."""
+    case = as_case(spec)
+    model = case.build_model()
+    model.load_state_dict(init)
+    wrapped = Ours().wrap(model, case.wrap, ctx, faults)
+    optim = spec.optimizer.build(wrapped.parameters())
+    init_data, _ = _shards(wrapped)
+    losses, step_grads, step_data = [], [], []
+    for step in range(1, spec.steps + 1):
+        batch = case.make_batch(case.seed, step, case.global_batch)
+        inputs, targets = local_batch(batch, spec.data_mode, ctx.rank, ctx.world_size)
+        optim.zero_grad(set_to_none=True)
+        m = spec.accumulation
+        sync_all = spec.sync_every_micro or m == 1
+        before = None if sync_all else (lambda i: wrapped.set_requires_gradient_sync(i == m - 1))
+        loss_sum = forward_backward(wrapped, case.loss_fn, inputs, targets, m, before_micro=before)
+        _, grads = _shards(wrapped)
+        optim.step()
+        data, _ = _shards(wrapped)
+        losses.append(loss_sum)
+        step_grads.append(grads)
+        step_data.append(data)
+    return {"layouts": json.dumps(_layouts(wrapped)), "init": init_data, "loss": torch.stack(losses),
+            "grads": step_grads, "data": step_data}
+
+
+def encode(obj) -> bytes:
+    """torch.save of plain containers, each dict of same-dtype tensors packed into one tensor (a
+    weights_only load of a few tensors is much faster than of hundreds)."""
+    buf = io.BytesIO()
+    torch.save(_pack(obj), buf)
+    return buf.getvalue()
+
+
+def decode(raw: bytes):
+    return _unpack(torch.load(io.BytesIO(raw), weights_only=True))
+
+
+def main(argv: list[str]) -> int:
+    lifeline.rank_prologue()  # dies with torchrun and with the harness, SIGKILL included
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    cfg = json.loads(Path(argv[1]).read_text())
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["collective_timeout_s"]))
+    ctx = RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+    store = dist.TCPStore(cfg["host"], cfg["port"], is_master=False,
+                          timeout=timedelta(seconds=cfg["idle_timeout_s"]))
+    store.set(f"ready/{ctx.rank}", "1")
+    i = 0
+    while True:
+        request = decode(store.get(f"req/{i}"))
+        if request.get("stop"):
+            break
+        try:
+            spec = ModelSpec.from_json(request["spec"])
+            if spec.world_size != ctx.world_size:
+                raise ValueError(f"spec world_size={spec.world_size} but the pool has {ctx.world_size} ranks")
+            start = time.perf_counter()
+            reply = run_example(spec, frozenset(request["faults"]), request["init"], ctx)
+            reply["rank_s"] = time.perf_counter() - start
+        except Exception:
+            reply = {"error": f"rank {ctx.rank}: " + traceback.format_exc()}
+        store.set(f"rep/{i}/{ctx.rank}", encode(reply))
+        if "error" in reply:
+            break  # the pool is restarted: other ranks may be stuck in a collective
+        i += 1
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

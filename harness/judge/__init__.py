@@ -1,0 +1,1 @@
+"""The judge: the error model (tolerance), the per-step checks (diff), per-cell verdicts."""

@@ -1,0 +1,190 @@
+"""The unsharded replay of a sharded step, and the one forward/backward every rank runs.
+
+`forward_backward` is the local computation of one training step (micro-batches, loss
+arithmetic, sync control); the rank runtime and the shadow both call it, so the shadow replays a
+rank's local loss and gradient terms with the same operations on the same shapes.
+
+`Shadow.step` takes the cell's own parameters of the previous step and replays, with the plain
+model, every rank's local forward/backward on that rank's local batch (W ranks x M micro-batches,
+one pass when the data is identical on every rank). What it returns is the reference of the error
+model (docs/error_model.md): each rank's exact local loss, the exact mean of the K local gradient
+terms (float64), sum |term| / W (float64), and the plain optimizer's step from the mean rounded to
+the parameter dtype. `perturb` turns it into one step of a perturbed reference run (the
+trajectory envelope).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from cases.catalog import Case, OptimizerSpec
+from cases.data import Batch, local_batch
+from cases.features import DTYPES
+from harness.adapters.features import CastCompute, floating_output
+from harness.judge.tolerance import ReductionModel, unit_roundoff
+
+
+def forward_backward(model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor, num_micro: int,
+                     before_micro: Callable[[int], None] | None = None,
+                     after_micro: Callable[[int], None] | None = None) -> torch.Tensor:
+    """One step's forward and backward on this rank's batch; returns the local loss.
+
+    With num_micro > 1 the batch is chunked into micro-batches, each loss divided by num_micro,
+    gradients accumulated by autograd, and the returned loss is 0 + l_1/M + l_2/M + ... in the
+    loss dtype, so the caller and the shadow compute it with the same roundings."""
+    if num_micro == 1:
+        if before_micro is not None:
+            before_micro(0)
+        loss = loss_fn(floating_output(model(inputs)), targets)
+        loss.backward()
+        if after_micro is not None:
+            after_micro(0)
+        return loss.detach()
+    total = None
+    for i, (x, y) in enumerate(zip(inputs.chunk(num_micro), targets.chunk(num_micro))):
+        if before_micro is not None:
+            before_micro(i)
+        loss = loss_fn(floating_output(model(x)), y) / num_micro
+        loss.backward()
+        if after_micro is not None:
+            after_micro(i)
+        total = torch.zeros((), dtype=loss.dtype, device=loss.device) if total is None else total
+        total += loss.detach()
+    return total
+
+
+class Shadow:
+    """The plain model and optimizer, stepped each step from the cell's own previous parameters."""
+
+    def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
+                 device: torch.device = torch.device("cpu"), num_micro: int | None = None) -> None:
+        self.case = case
+        features = case.features
+        plain = case.build_model()
+        plain.load_state_dict(init_state)
+        plain.to(device)
+        self.params = dict(plain.named_parameters())
+        self.plain = plain
+        # Tied parameters: every use beyond the first, by name. Their gradient is a sum over uses
+        # that an implementation may associate differently (across micro-batches, say), so each
+        # use is a term of its own (see _untied).
+        first: dict[int, str] = {}
+        self.aliases: dict[str, list[str]] = {}
+        for name, p in plain.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                self.aliases.setdefault(first[id(p)], []).append(name)
+            else:
+                first[id(p)] = name
+        # Mixed precision: the shadow computes the way the policy does (harness/adapters/features.py).
+        self.model = CastCompute(plain, features.compute_dtype) if features.mixed_precision else plain
+        self.optim = spec.build(self.params.values())
+        self.clip = (features.clip_max_norm, features.clip_norm_type) if features.clip_norm_type else None
+        self.num_micro = features.grad_accum if num_micro is None else num_micro
+        self.device = device
+
+    def _terms(self, batch: Batch, data_mode: str, world_size: int, num_micro: int):
+        """Every rank's local loss, and the float64 sum and absolute sum of the local gradient
+        terms (one per rank and micro-batch)."""
+        ranks = range(1) if data_mode == "identical" else range(world_size)
+        grad_sum: dict[str, torch.Tensor] = {}
+        abs_sum: dict[str, torch.Tensor] = {}
+        uses = self._untie()
+
+        def harvest(_: int) -> None:
+            for name, leaves in uses.items():
+                for leaf in leaves:
+                    if leaf.grad is None:
+                        continue
+                    g = leaf.grad.detach().double()
+                    if name in grad_sum:
+                        grad_sum[name] += g
+                        abs_sum[name] += g.abs()
+                    else:
+                        grad_sum[name], abs_sum[name] = g.clone(), g.abs()
+                    leaf.grad = None
+
+        losses = []
+        try:
+            for rank in ranks:
+                inputs, targets = (t.to(self.device) for t in local_batch(batch, data_mode, rank, world_size))
+                for leaves in uses.values():
+                    for leaf in leaves:
+                        leaf.grad = None
+                losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
+                                               after_micro=harvest))
+        finally:
+            self._retie()
+        if data_mode == "identical":
+            # Every rank computed this same local term: their mean is it, sum |term| / W is |it|.
+            return torch.stack(losses * world_size), grad_sum, abs_sum
+        return (torch.stack(losses), {n: s / world_size for n, s in grad_sum.items()},
+                {n: s / world_size for n, s in abs_sum.items()})
+
+    def _untie(self) -> dict[str, list[torch.Tensor]]:
+        """Give every extra use of a tied parameter a leaf of its own (same values, so the same
+        forward bits); returns each parameter name's leaves, its own first."""
+        uses = {name: [p] for name, p in self.params.items()}
+        for name, aliases in self.aliases.items():
+            for alias in aliases:
+                path, _, attr = alias.rpartition(".")
+                module = self.plain.get_submodule(path)
+                leaf = nn.Parameter(self.params[name].detach().clone(), requires_grad=self.params[name].requires_grad)
+                setattr(module, attr, leaf)
+                uses[name].append(leaf)
+        return uses
+
+    def _retie(self) -> None:
+        for name, aliases in self.aliases.items():
+            for alias in aliases:
+                path, _, attr = alias.rpartition(".")
+                setattr(self.plain.get_submodule(path), attr, self.params[name])
+
+    def num_terms(self, world_size: int) -> dict[str, int]:
+        """Local gradient terms per parameter: ranks x micro-batches x uses."""
+        return {name: world_size * self.num_micro * (1 + len(self.aliases.get(name, ())))
+                for name in self.params}
+
+    def step(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
+             perturb: torch.Generator | None = None) -> dict:
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(params_before[name])
+        losses, grads, abs_grads = self._terms(batch, data_mode, world_size, self.num_micro)
+        if perturb is not None:
+            self._perturb(grads, batch, perturb)
+        for name, p in self.params.items():
+            p.grad = grads[name].to(p.dtype) if name in grads else None
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), *self.clip)
+        self.optim.step()
+        return {
+            "loss": losses.detach().cpu(),
+            "grads": {n: g.cpu() for n, g in grads.items()},
+            "abs_grads": {n: a.cpu() for n, a in abs_grads.items()},
+            "num_terms": {n: k for n, k in self.num_terms(world_size).items() if n in grads},
+            "params": {n: p.detach().cpu().clone() for n, p in self.params.items()},
+            "state": {
+                n: {k: v.detach().cpu().clone() for k, v in self.optim.state[p].items() if isinstance(v, torch.Tensor)}
+                for n, p in self.params.items()
+            },
+        }
+
+    def _perturb(self, grads: dict[str, torch.Tensor], batch: Batch, generator: torch.Generator) -> None:
+        """Add noise of the size of the largest honest reduction error of any split of this batch:
+        every sample its own term (K = B) bounds every W x M split (docs/error_model.md)."""
+        num_samples = batch[0].size(0)
+        _, _, per_sample_abs = self._terms(batch, "split", num_samples, 1)
+        features = self.case.features
+        precision = ReductionModel.for_cell(1, self.num_micro, features.compute_dtype,
+                                            DTYPES[features.reduce_dtype] if features.reduce_dtype else None)
+        # The reference computes its local forward/backward on another batch size than a cell's
+        # ranks, so beyond the reduction their gradients differ by the compute dtype's rounding.
+        u = max(precision.u, unit_roundoff(features.compute_dtype))
+        model = ReductionModel(num_samples, u, precision.casts)
+        for name, g in grads.items():
+            amplitude = model.grad_bound(per_sample_abs[name])
+            noise = torch.rand(g.shape, generator=generator, dtype=torch.float64) * 2 - 1
+            grads[name] = g + noise * amplitude.cpu().to(g.device)

@@ -1,0 +1,207 @@
+"""The error model: how far an honest sharded run may differ from the unsharded one, per element.
+
+The full derivation is docs/error_model.md; in short:
+
+1. Local computation is replayed, not bounded. Every rank runs the plain model's forward and
+   backward on its local batch with the unsharded parameters (an all-gather is a copy), so its
+   local loss and each micro-batch gradient are the same kernels on the same shapes as the plain
+   model on that local batch. The shadow (harness/judge/shadow.py) replays exactly those W x M local
+   computations from the cell's own parameters, so per rank the loss must be bitwise equal.
+2. The only arithmetic an honest sharded run adds is the combination of those K = W x M local
+   gradient terms into one average (reduce-scatter or all-reduce, local accumulation, a division
+   by W before and/or after, a cast into the reduce dtype). Any such evaluation of the sum has
+   |computed - exact| <= gamma_n * sum_k |term_k| / W (Higham, Thm 4.4; any order, any tree),
+   with n = K + 2 + [cast] roundings on the longest path and gamma_n = n u / (1 - n u). The
+   reference is the exact mean (float64 of the float32 terms), so the bound is rigorous: no
+   safety factor, no constant counted by hand. Identical data is the special case of K equal
+   terms: the bound is gamma_n |g|, a few ulps, at every W.
+3. Parameters: the gradient error (plus the rounding of the exact mean to the parameter dtype)
+   pushed through the optimizer's update, per element, with the shadow's optimizer state; plus
+   one rounding of each elementwise operation of the update. Clipping adds the error of the clip
+   coefficient (the norm of the gradient error, plus a rigorous bound on the rounding of the norm).
+4. Initial parameters, padding, replicas: exact. A loss, gradient or parameter that is not finite
+   fails on its own check; a reference that is not finite is an error (the case diverged).
+5. The trajectory (free-running cell vs free-running reference) is judged against the envelope of
+   honest noise measured on the reference itself (see `TRAJECTORY_FACTOR`).
+6. Bias: an honest reduction's rounding errors carry no sign. Per gradient tensor, among the
+   elements that differ from the exact mean, the count that differ upward and the count that
+   differ in the direction of the gradient are each Binomial(n, 1/2); a shift or a scale error far
+   below the per-element bound moves them, and a count beyond Hoeffding's threshold at
+   `BIAS_FALSE_ALARM` fails.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from cases.catalog import OptimizerSpec
+
+# A cell's free-running trajectory may deviate from the reference by at most this many times the
+# largest deviation of the perturbed reference runs (docs/error_model.md, "Trajectories").
+TRAJECTORY_FACTOR = 4.0
+# Ulps of the final rounding of an updated parameter an honest run may differ by. The rigorous
+# bound of two roundings, 2 u |p|, is one ulp, and an honest run reaches it exactly (the last
+# rounding of p - lr * update flips for a gradient difference far below an ulp); allowing two
+# keeps honest parameter margins at or below 0.5.
+ROUNDING_ALLOWANCE = 2
+# Perturbed reference runs whose envelope the trajectory check uses (independent noise seeds).
+NUM_PERTURBED_RUNS = 2
+# Above this median tolerance / |g| over a gradient's elements a check could not tell an honest run
+# from one whose gradients are off by that fraction: the cell is refused ("cannot verify").
+MAX_MEDIAN_RELATIVE_TOLERANCE = 0.125
+# The bias check's false-alarm probability per (tensor, step, statistic), under its hypothesis
+# (docs/error_model.md, "Bias"): a run of N such tests false-alarms with probability <= N times this.
+BIAS_FALSE_ALARM = 1e-12
+
+
+def sign_test_threshold(n: int, false_alarm: float = BIAS_FALSE_ALARM) -> float:
+    """t such that a count S ~ Binomial(n, 1/2) has P(|S - n/2| >= t) <= false_alarm (Hoeffding:
+    P <= 2 exp(-2 t^2 / n)). Infinite for n = 0: no evidence, no verdict."""
+    if n <= 0:
+        return math.inf
+    return math.sqrt(n * math.log(2.0 / false_alarm) / 2.0)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = 2^-p for a p-bit significand: the largest relative error of one rounding."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} is not a floating dtype")
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: int, u: float) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative error bound of n successive roundings."""
+    if n < 0 or n * u >= 1:
+        raise ValueError(f"gamma(n={n}, u={u:.3g}) is undefined: n u must be < 1")
+    return n * u / (1 - n * u)
+
+
+@dataclass(frozen=True)
+class ReductionModel:
+    """How K local gradient terms become one averaged gradient in an honest sharded run."""
+
+    num_terms: int  # K = (ranks contributing) x (micro-batches per step)
+    u: float  # unit roundoff of the lowest precision the sum is carried out in
+    casts: int = 0  # 1 when the terms are rounded into a lower-precision reduce dtype first
+
+    def __post_init__(self) -> None:
+        if self.num_terms < 1:
+            raise ValueError(f"ReductionModel num_terms={self.num_terms} must be >= 1")
+
+    @property
+    def roundings(self) -> int:
+        # K - 1 additions, a division before and one after the sum (either or both may happen),
+        # and the cast into the reduce dtype.
+        return self.num_terms - 1 + 2 + self.casts
+
+    @property
+    def relative(self) -> float:
+        return gamma(self.roundings, self.u)
+
+    def grad_bound(self, abs_mean: torch.Tensor) -> torch.Tensor:
+        """abs_mean = sum_k |term_k| / W per element (float64)."""
+        return self.relative * abs_mean.double()
+
+    @classmethod
+    def for_cell(cls, world_size: int, num_micro: int, compute_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype | None, grad_dtype: torch.dtype = torch.float32) -> ReductionModel:
+        """The sum runs in the reduce dtype; with several micro-batches, terms are also accumulated
+        locally in the dtype the unsharded gradient is computed in."""
+        reduce_dtype = reduce_dtype or compute_dtype
+        u = unit_roundoff(reduce_dtype)
+        if num_micro > 1:
+            u = max(u, unit_roundoff(compute_dtype))
+        casts = int(unit_roundoff(reduce_dtype) > unit_roundoff(compute_dtype))
+        return cls(world_size * num_micro, u, casts)
+
+
+def relative_tolerance_stats(tol: torch.Tensor, value: torch.Tensor) -> tuple[float, float]:
+    """(median, max) of tol / |value| over the elements where value != 0 (nan when none)."""
+    mask = value != 0
+    if not bool(mask.any()):
+        return float("nan"), float("nan")
+    ratio = (tol.double()[mask] / value.double().abs()[mask])
+    return ratio.median().item(), ratio.max().item()
+
+
+def clip_coefficient_error(grads: dict[str, torch.Tensor], grad_tols: dict[str, torch.Tensor],
+                           max_norm: float, norm_type: float, u: float) -> tuple[float, float]:
+    """(c, bound on |c_cell - c|) for c = min(1, max_norm / (norm + 1e-6)) as clip_grad_norm_
+    computes it, when the cell's gradients differ by at most `grad_tols` and it evaluates the norm
+    in any order: |norm_cell - norm| <= ||grad_tol||_p + (rounding of the norm itself)."""
+    flat = torch.cat([g.double().reshape(-1) for g in grads.values()]) if grads else torch.zeros(0, dtype=torch.float64)
+    flat_tol = torch.cat([t.double().reshape(-1) for t in grad_tols.values()]) if grads else torch.zeros(0, dtype=torch.float64)
+    if math.isinf(norm_type):
+        norm = flat.abs().max().item() if flat.numel() else 0.0
+        dnorm = flat_tol.max().item() if flat.numel() else 0.0  # max is exact: only the inputs differ
+    else:
+        norm = flat.abs().pow(norm_type).sum().pow(1 / norm_type).item()
+        # A sum of n non-negative terms (each a rounded power) in any order: relative gamma_{n+1};
+        # the root adds one rounding.
+        rounding = 2 * (gamma(flat.numel() + 1, u) / norm_type + 2 * u)  # the cell's and the shadow's
+        dnorm = flat_tol.pow(norm_type).sum().pow(1 / norm_type).item() + rounding * (norm + flat_tol.abs().sum().item())
+    denom = norm + 1e-6
+    coef = max_norm / denom
+    if coef >= 1 and max_norm / max(denom - dnorm, 1e-300) >= 1:
+        return 1.0, 0.0  # clamped to 1 either way: no clipping, no error
+    coef = min(coef, 1.0)
+    lo = max(denom - dnorm, 1e-300)
+    dcoef = min(max_norm / lo, 1.0) - min(max_norm / (denom + dnorm), 1.0)
+    return coef, dcoef + 2 * u * coef
+
+
+@dataclass
+class OptimizerErrorState:
+    """Per-parameter bounds on |candidate state - shadow state|, carried across steps."""
+
+    spec: OptimizerSpec
+    u: float  # unit roundoff of the parameters and optimizer state (the master dtype)
+    bounds: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def param_bound(self, name: str, step: int, grad_tol: torch.Tensor, grad: torch.Tensor,
+                    param: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Bound on |candidate param - shadow param| after `step` (1-based), from the same start.
+        `grad` is the gradient the shadow stepped with, `grad_tol` the bound on the candidate's
+        difference from it."""
+        if self.spec.kind == "sgd":
+            return self._sgd(name, grad_tol, param, state)
+        return self._adamw(name, step, grad_tol, grad, param, state)
+
+    def _sgd(self, name, grad_tol, param, state):
+        spec, u = self.spec, self.u
+        p = param.double().abs()
+        if spec.momentum == 0 or "momentum_buffer" not in state:
+            update_err = grad_tol
+            update = p.new_zeros(()) if "momentum_buffer" not in state else state["momentum_buffer"].double().abs()
+        else:
+            buf = state["momentum_buffer"].double().abs()
+            prev = self.bounds.get(name, {}).get("buf", torch.zeros_like(buf))
+            # buf = momentum * buf + g (+ weight_decay * p): the same ops on inputs that differ.
+            dbuf = spec.momentum * prev + grad_tol + 2 * u * buf
+            self.bounds[name] = {"buf": dbuf}
+            update_err, update = dbuf, buf
+        return spec.lr * update_err + ROUNDING_ALLOWANCE * 2 * u * (p + spec.lr * update)
+
+    def _adamw(self, name, step, grad_tol, grad, param, state):
+        spec, u = self.spec, self.u
+        beta1, beta2 = spec.betas
+        m = state["exp_avg"].double()
+        v = state["exp_avg_sq"].double()
+        g = grad.double().abs()
+        prev = self.bounds.get(name, {"m": torch.zeros_like(m), "v": torch.zeros_like(v)})
+        dm = beta1 * prev["m"] + (1 - beta1) * grad_tol + 2 * u * m.abs()
+        dv = beta2 * prev["v"] + (1 - beta2) * (2 * g * grad_tol + grad_tol**2) + 2 * u * v
+        self.bounds[name] = {"m": dm, "v": dv}
+        bc1 = 1 - beta1**step
+        sqrt_bc2 = math.sqrt(1 - beta2**step)
+        step_size = spec.lr / bc1
+        denom = v.sqrt() / sqrt_bc2 + spec.eps
+        # |sqrt(a) - sqrt(v)| over |a - v| <= dv, tight also where v is near zero.
+        ddenom = ((v + dv).sqrt() - (v - dv).clamp(min=0).sqrt()) / sqrt_bc2
+        denom_lo = (denom - ddenom).clamp(min=spec.eps)
+        dupdate = step_size * (dm / denom_lo + m.abs() * ddenom / (denom * denom_lo))
+        update = step_size * m.abs() / denom
+        return dupdate + ROUNDING_ALLOWANCE * 2 * u * (param.double().abs() + update)

@@ -1,0 +1,169 @@
+"""From snapshots to per-cell verdicts and W x W matrices (the parent does this, never a rank).
+
+Nothing reaches the judge unchecked: a cell whose launch failed, whose initial state or snapshot
+is missing, unreadable, from another run or short of what the plan asked for
+(harness/run/evidence.py) becomes an `error` row naming what is missing; so does a cell whose
+checks raised. Every cell of the plan gets a row.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from cases.catalog import get_case
+from harness.judge.diff import DiffStats, OptimizerResult, ReferenceDiverged, Violation, check_snapshot, flat
+from harness.run.evidence import EvidenceError, check_same_steps, check_snapshot_evidence, model_parameters
+from harness.run.orchestrate import RunOutcome
+from harness.run.plan import Cell, RunPlan
+from harness.run.snapshot import load_snapshot, load_state, snapshot_path
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    verdict: str  # pass | fail | error
+    optimizers: dict[str, OptimizerResult] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def violations(self) -> list[Violation]:
+        return sorted((v for r in self.optimizers.values() for v in r.violations), key=Violation.sort_key)
+
+    @property
+    def first_divergence(self) -> Violation | None:
+        violations = self.violations
+        return violations[0] if violations else None
+
+    def trajectory(self) -> DiffStats | None:
+        stats = [s for r in self.optimizers.values() for s in r.trajectory.values()]
+        return DiffStats.merge(stats) if stats else None
+
+    def margins(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for r in self.optimizers.values():
+            for check, value in r.margins.items():
+                out[check] = nan_max(out.get(check, 0.0), value)
+        return out
+
+
+def nan_max(a: float, b: float) -> float:
+    """max that keeps a NaN (the built-in max keeps or drops it depending on the order)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """Max abs diff over all steps of losses, gradients and parameters, between world sizes."""
+
+    case: str
+    impl: str
+    data_mode: str
+    optimizer: str
+    labels: tuple[str, ...]  # 'ref' (impl=single, W = 1), then '1', '2', ...
+    values: tuple[tuple[float | None, ...], ...]
+
+
+def _trajectory(snap: dict, order: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every step's loss (rank 0's, or the mean of the local losses when split), gradients and
+    parameters as one 1-D tensor, parameters in the order of `order`."""
+    split = snap["cell"]["data_mode"] == "split"
+    parts = []
+    for rec in snap["steps"]:
+        loss = rec["loss"].double().mean() if split else rec["loss"].double()[0]
+        grad_order = [k for k in order if k in rec["grads"]]  # frozen parameters have no gradient
+        parts += [loss.float().reshape(1), flat(rec["grads"], grad_order), flat(rec["params"], order)]
+    return torch.cat(parts)
+
+
+def evaluate(plan: RunPlan, outcome: RunOutcome) -> tuple[list[CellResult], list[CellResult], list[Matrix]]:
+    """(results of the cells under test, results of the reference cells, W x W matrices)."""
+    snapshots: dict[tuple[str, str], dict] = {}  # only evidence that passed check_snapshot_evidence
+    case_names = sorted({c.case for c in plan.cells + plan.references})
+    init_states: dict[str, dict | str] = {}  # a state, or why there is none
+    for name in case_names:
+        path = plan.init_dir / f"{get_case(name).name}.pt"
+        try:
+            init_states[name] = load_state(path, plan.run_id)
+        except Exception as e:
+            init_states[name] = f"initial state {path} unusable: {type(e).__name__}: {e}"
+    parameters = {name: model_parameters(name) for name in case_names}
+
+    def load_evidence(cell: Cell, kind: str) -> dict:
+        path = snapshot_path(plan.snapshot_dir, cell.cell_id, kind)
+        if not path.exists():
+            raise EvidenceError(f"no snapshot {path} (the launch ended before this cell)")
+        try:
+            snap = load_snapshot(path)
+        except Exception as e:
+            raise EvidenceError(f"snapshot {path} unreadable: {type(e).__name__}: {e}") from None
+        sizes, grad_names = parameters[cell.case]
+        try:
+            check_snapshot_evidence(snap, cell, kind, plan.run_id, sizes, grad_names)
+        except EvidenceError as e:
+            raise EvidenceError(f"snapshot {path}: {e}") from None
+        return snap
+
+    def result_for(cell: Cell) -> CellResult:
+        if cell.cell_id in outcome.errors:
+            return CellResult(cell, "error", error=outcome.errors[cell.cell_id])
+        init_state = init_states[cell.case]
+        if isinstance(init_state, str):
+            return CellResult(cell, "error", error=init_state)
+        case = get_case(cell.case)
+        ref_cell = next(r for r in plan.references if r.case == cell.case)
+        loaded = {}
+        try:
+            for spec in case.optimizers:
+                loaded[spec.kind] = load_evidence(cell, spec.kind)
+                ref = snapshots.get((ref_cell.cell_id, spec.kind))
+                if ref is not None and not cell.is_reference:
+                    check_same_steps(loaded[spec.kind], ref, ref_cell)
+        except EvidenceError as e:
+            return CellResult(cell, "error", error=f"incomplete evidence: {e}")
+        result = CellResult(cell, "pass")
+        for kind, snap in loaded.items():
+            ref = snapshots.get((ref_cell.cell_id, kind))
+            try:
+                opt = check_snapshot(snap, {n: init_state[n] for n in snap["init"]["params"]}, ref)
+            except ReferenceDiverged as e:
+                return CellResult(cell, "error", error=f"optimizer={kind}: {e}")
+            except Exception:
+                return CellResult(cell, "error", error=f"the checks of optimizer={kind} raised "
+                                                       f"(no verdict):\n{traceback.format_exc()}")
+            if opt.error is not None:
+                return CellResult(cell, "error", optimizers={kind: opt}, error=f"optimizer={kind}: {opt.error}")
+            result.optimizers[kind] = opt
+        for kind, snap in loaded.items():
+            snapshots[(cell.cell_id, kind)] = snap
+        if result.violations:
+            result.verdict = "fail"
+        return result
+
+    references = [result_for(c) for c in plan.references]
+    cells = [result_for(c) for c in plan.cells]
+
+    matrices = []
+    groups = sorted({(c.case, c.impl, c.data_mode) for c in plan.cells})
+    for case_name, impl, mode in groups:
+        members = sorted((c for c in plan.cells if (c.case, c.impl, c.data_mode) == (case_name, impl, mode)),
+                         key=lambda c: c.world_size)
+        ref_cell = next(r for r in plan.references if r.case == case_name)
+        entries = [("ref", ref_cell)] + [(str(c.world_size), c) for c in members]
+        for spec in get_case(case_name).optimizers:
+            traj = {}
+            for _, c in entries:
+                snap = snapshots.get((c.cell_id, spec.kind))
+                traj[c.cell_id] = None if snap is None else _trajectory(snap, snap["init"]["params"])
+            values = []
+            for _, a in entries:
+                row = []
+                for _, b in entries:
+                    ta, tb = traj[a.cell_id], traj[b.cell_id]
+                    row.append(None if ta is None or tb is None else (ta.double() - tb.double()).abs().max().item())
+                values.append(tuple(row))
+            matrices.append(Matrix(case_name, impl, mode, spec.kind, tuple(l for l, _ in entries), tuple(values)))
+    return cells, references, matrices

@@ -1,0 +1,286 @@
+"""Inside every rank: pin threads, then for each Cell of this launch and each optimizer of its
+case build the model from the reference initial state, wrap it through the adapter, train,
+and snapshot (rank 0 writes). Run as `python -m torch.distributed.run ... -m harness.run.worker PLAN`.
+
+The only configuration a rank reads is the launch plan file (the Cells); the environment
+variables it reads are torchrun's own (RANK, WORLD_SIZE, MASTER_*).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from cases.catalog import Case, OptimizerSpec, get_case
+from cases.data import Batch, local_batch
+from cases.features import PLAIN
+from harness.run import lifeline
+from harness.adapters.features import apply_activation_checkpointing
+from harness.adapters.base import Adapter, RankContext, RawShard
+from harness.adapters.registry import resolve_impl
+from harness.run.plan import Cell
+from harness.judge.shadow import Shadow, forward_backward
+from harness.run.snapshot import FORMAT, complete_path, load_state, save_snapshot, snapshot_path, write_atomic_text
+from harness.judge.tolerance import NUM_PERTURBED_RUNS
+
+
+def _pick(tensors: dict[str, torch.Tensor], names: list[str], what: str, ctx: RankContext, cell: Cell) -> dict:
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise RuntimeError(
+            f"rank {ctx.rank}: impl={cell.impl} {what} lack parameters {missing[:4]} "
+            f"(has {sorted(tensors)[:4]}...); the adapter must use the plain model's names"
+        )
+    return {n: tensors[n].detach().to("cpu", copy=True) for n in names}
+
+
+def _all_gather_rows(t: torch.Tensor, ctx: RankContext) -> torch.Tensor:
+    """(n,) on every rank -> (W, n) in rank order."""
+    t = t.detach().reshape(-1).contiguous()
+    if ctx.group is None:
+        return t.unsqueeze(0).clone()
+    out = t.new_empty(ctx.world_size * t.numel())
+    dist.all_gather_into_tensor(out, t, group=ctx.group)
+    return out.view(ctx.world_size, -1)
+
+
+def _gather_step_evidence(loss: torch.Tensor, raws: list[RawShard], digests: list[int], ctx: RankContext):
+    """Every rank's loss and raw shards (data, grad, padding intervals) in two all-gathers: with 8
+    ranks on 2 cores each collective costs milliseconds, and a step has dozens of shards.
+
+    A shard's number of padding intervals differs between ranks (alignment gaps fall into some
+    shards only), so a first small all-gather agrees on each key's maximum count; each rank then
+    sends that many intervals per key, the missing ones as empty [0, 0), which are dropped.
+    """
+    counts = torch.tensor([len(raw.padding_intervals) for raw in raws], dtype=torch.float64, device=loss.device)
+    capacity = _all_gather_rows(counts, ctx).amax(dim=0).long().tolist() if raws else []
+    parts = [loss.detach().double().reshape(1), torch.tensor(digests, dtype=torch.float64, device=loss.device)]
+    for raw, cap in zip(raws, capacity):
+        intervals = list(raw.padding_intervals) + [(0, 0)] * (cap - len(raw.padding_intervals))
+        parts += [raw.data.double(), torch.tensor(intervals, dtype=torch.float64, device=loss.device).reshape(-1)]
+        if raw.grad is not None:
+            parts.append(raw.grad.double())
+    rows = _all_gather_rows(torch.cat(parts), ctx).cpu()  # (W, n); fp32 values are exact in fp64
+    losses = rows[:, 0].to(loss.dtype)
+    replica_digests = rows[:, 1 : 1 + len(digests)].long()
+    shards, shard_grads, padding_intervals, at = {}, {}, {}, 1 + len(digests)
+    for raw, cap in zip(raws, capacity):
+        n = raw.data.numel()
+        shards[raw.key] = rows[:, at : at + n].to(raw.data.dtype)
+        per_rank = rows[:, at + n : at + n + 2 * cap].long().view(ctx.world_size, cap, 2).tolist()
+        padding_intervals[raw.key] = [[[a, b] for a, b in ivs if b > a] for ivs in per_rank]
+        at += n + 2 * cap
+        if raw.grad is not None:
+            shard_grads[raw.key] = rows[:, at : at + n].to(raw.grad.dtype)
+            at += n
+    return losses, replica_digests, shards, shard_grads, padding_intervals
+
+
+def _check_refused_wrap(case: Case, adapter: Adapter, ctx: RankContext) -> None:
+    """Wrapping the case's refused paths as separate units must raise a clear ValueError."""
+    model = case.build_model()
+    try:
+        adapter.wrap(model, case.features.refused_wrap, ctx, frozenset())
+    except ValueError as e:
+        if "fully_shard" not in str(e):
+            raise RuntimeError(f"rank {ctx.rank}: refusal of {case.features.refused_wrap} lacks a clear message: {e}")
+        return
+    raise RuntimeError(f"rank {ctx.rank}: case={case.name}: wrapping {list(case.features.refused_wrap)} as separate "
+                       f"units was accepted; a parameter tied across units must be refused")
+
+
+def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, cell: Cell, init_state) -> nn.Module:
+    features = case.features
+    if features.meta_init:
+        with torch.device("meta"):
+            model = case.build_model()
+    else:
+        model = case.build_model()
+        model.load_state_dict(init_state)
+        model.to(ctx.device)
+    apply_activation_checkpointing(model, features.activation_checkpointing)
+    if features == PLAIN:
+        wrapped = adapter.wrap(model, case.wrap, ctx, frozenset(cell.faults))
+    else:
+        wrapped = adapter.wrap(model, case.wrap, ctx, frozenset(cell.faults), features)
+    if features.meta_init:
+        adapter.materialize(wrapped, init_state, ctx.device)
+    return wrapped
+
+
+def _backward(case: Case, wrapped: nn.Module, inputs, targets) -> torch.Tensor:
+    """One step's forward and backward; with grad_accum, gradient sync only on the last micro-batch."""
+    num_micro = case.features.grad_accum
+    set_sync = getattr(wrapped, "set_requires_gradient_sync", None)  # the plain model has nothing to sync
+    before = (lambda i: set_sync(i == num_micro - 1)) if set_sync is not None and num_micro > 1 else None
+    return forward_backward(wrapped, case.loss_fn, inputs, targets, num_micro, before_micro=before)
+
+
+def digest(t: torch.Tensor) -> int:
+    """A 52-bit digest of a tensor's bytes (exact in float64): equal digests, equal bits."""
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 52) - 1)
+
+
+def _full_state_roundtrip(adapter: Adapter, wrapped: nn.Module, case: Case, cell: Cell, ctx: RankContext,
+                          init_state, directory: Path) -> None:
+    """A full state dict saved by rank 0 and loaded on every rank reproduces the parameters."""
+    import impl
+
+    full = impl.full_state_dict(wrapped)
+    path = directory / "full_state.pt"
+    if ctx.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(full, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    dist.barrier()
+    fresh = adapter.wrap(case.build_model(), case.wrap, ctx, frozenset())
+    impl.load_full_state_dict(fresh, torch.load(path, weights_only=True))
+    reloaded = impl.full_state_dict(fresh)
+    bad = [n for n in full if not torch.equal(full[n], reloaded[n])]
+    if bad:
+        raise RuntimeError(f"rank {ctx.rank}: full state dict saved on rank 0 reloads different values for {bad}")
+
+
+def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], world: RankContext,
+             scratch_dir: Path) -> dict | None:
+    case = get_case(cell.case)
+    features = case.features
+    adapter: Adapter = resolve_impl(cell.impl)
+    ctx = world if adapter.needs_process_group else RankContext(0, 1, None, world.device)
+    if features.refused_wrap and getattr(adapter, "refuses_cross_unit_ties", False):
+        _check_refused_wrap(case, adapter, ctx)
+    plain = case.build_model()
+    names = [n for n, _ in plain.named_parameters()]
+    grad_names = [n for n, p in plain.named_parameters() if p.requires_grad]
+    wrapped: nn.Module = _build_wrapped(case, adapter, ctx, cell, init_state)
+    build_optimizer = getattr(adapter, "build_optimizer", None)
+    optim = build_optimizer(wrapped, spec, features) if build_optimizer else spec.build(wrapped.parameters())
+    is_writer = world.rank == 0
+    shadow = Shadow(case, spec, init_state, ctx.device) if is_writer else None
+    reshard_steps = features.checkpoint_reshard_at if hasattr(adapter, "reshard_checkpoint") else ()
+
+    init_params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
+    steps, params_before = [], init_params
+    for step in range(1, cell.steps + 1):
+        batch = case.make_batch(case.seed, step, case.global_batch)
+        inputs, targets = (t.to(ctx.device) for t in local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size))
+        optim.zero_grad(set_to_none=True)
+        loss = _backward(case, wrapped, inputs, targets)
+        grads = _pick(adapter.full_grads(wrapped), grad_names, "full_grads", ctx, cell)
+        if features.clip_norm_type is not None:
+            clip = getattr(adapter, "clip_grad_norm", None)
+            if clip is not None:
+                clip(wrapped, features.clip_max_norm, features.clip_norm_type)
+            else:
+                torch.nn.utils.clip_grad_norm_(wrapped.parameters(), features.clip_max_norm, features.clip_norm_type)
+        optim.step()
+        params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
+        # Every rank's full parameters and gradients, digested: replicas must agree bitwise.
+        digests = [digest(params[n]) for n in names] + [digest(grads[n]) for n in grad_names]
+        losses, replica_digests, shards, shard_grads, padding_intervals = _gather_step_evidence(
+            loss, adapter.raw_shards(wrapped), digests, ctx)
+        record = {"step": step, "loss": losses, "grads": grads, "params": params, "shards": shards,
+                  "shard_grads": shard_grads, "padding_intervals": padding_intervals,
+                  "replicas": {"names": names + [f"{n} (grad)" for n in grad_names], "digests": replica_digests}}
+        if shadow is not None:
+            record["shadow"] = shadow.step(params_before, batch, cell.data_mode, ctx.world_size)
+        steps.append(record)
+        params_before = params
+        if step in reshard_steps:
+            shard_size = max(1, ctx.world_size // 2 ** (reshard_steps.index(step) + 1))
+            directory = scratch_dir / f"{cell.cell_id}.{spec.kind}.step{step}"
+            wrapped, optim = adapter.reshard_checkpoint(wrapped, optim, spec, ctx, features, directory, shard_size,
+                                                        case.wrap, case.build_model)
+    if reshard_steps:
+        _full_state_roundtrip(adapter, wrapped, case, cell, ctx, init_state, scratch_dir / f"{cell.cell_id}.{spec.kind}")
+    if not is_writer:
+        return None
+    snapshot = {
+        "format": FORMAT,
+        "cell": cell.to_json(),
+        "optimizer": spec.kind,
+        "world_size": ctx.world_size,
+        "layouts": adapter.layouts(wrapped),
+        "init": {"params": init_params},
+        "steps": steps,
+    }
+    if cell.is_reference:
+        snapshot["perturbed"] = [perturbed_run(case, spec, init_state, cell.steps, seed, ctx.device)
+                                 for seed in range(1, NUM_PERTURBED_RUNS + 1)]
+    return snapshot
+
+
+def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], num_steps: int,
+                  seed: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """The reference run with honest-sized noise added to every step's gradient: its deviation
+    from the reference is the envelope the trajectory check scales (docs/error_model.md)."""
+    shadow = Shadow(case, spec, init_state, device)
+    generator = torch.Generator().manual_seed(seed)
+    params = {n: p.detach().cpu().clone() for n, p in shadow.params.items()}
+    out = []
+    for step in range(1, num_steps + 1):
+        batch = case.make_batch(case.seed, step, case.global_batch)
+        params = shadow.step(params, batch, "identical", 1, perturb=generator)["params"]
+        out.append(params)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    lifeline.rank_prologue()  # dies with torchrun and with the harness, SIGKILL included
+    faulthandler.enable()
+    # On the parent's timeout a hung rank gets SIGUSR1 and dumps every thread's stack to stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    plan = json.loads(Path(argv[1]).read_text())
+    torch.set_num_threads(plan["threads"])
+    backend, device = plan.get("backend", "gloo"), torch.device("cpu")
+    if plan.get("device", "cpu") == "cuda":  # one rank per GPU of this node
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        # The shadow replays each rank's local computation bitwise (docs/error_model.md): kernels
+        # must not depend on atomics or autotuning.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    dist.init_process_group(backend)
+    world = RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, device)
+    if world.world_size != plan["world_size"]:
+        raise RuntimeError(f"rank {world.rank}: WORLD_SIZE={world.world_size} but the plan is for {plan['world_size']}")
+    cells = [Cell.from_json(c) for c in plan["cells"]]
+    init_dir, snapshot_dir, run_id = Path(plan["init_dir"]), Path(plan["snapshot_dir"]), plan["run_id"]
+    for i, cell in enumerate(cells):
+        case = get_case(cell.case)
+        init_state = load_state(init_dir / f"{case.name}.pt", run_id)
+        start = time.perf_counter()
+        for spec in case.optimizers:
+            if not resolve_impl(cell.impl).needs_process_group and world.rank != 0:
+                continue  # a single-process cell (the reference) runs on rank 0 alone
+            snapshot = run_cell(cell, spec, init_state, world, snapshot_dir / "scratch")
+            if snapshot is not None:
+                snapshot["run_id"] = run_id
+                save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
+        dist.barrier()  # every rank finished this cell: a failure later in the launch is not its
+        if world.rank == 0:  # wall_s: the cell's time in the ranks, its JUnit test case's time
+            write_atomic_text(complete_path(snapshot_dir, cell.cell_id),
+                              json.dumps({"run_id": run_id, "cell_id": cell.cell_id,
+                                          "wall_s": round(time.perf_counter() - start, 3)}) + "\n")
+        dist.barrier()  # no rank goes on (and may fail at exit) before the record exists
+        if world.rank == 0:
+            print(f"[harness] W={world.world_size} cell {i + 1}/{len(cells)} {cell.cell_id} "
+                  f"{time.perf_counter() - start:.2f}s", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
