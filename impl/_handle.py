@@ -16,6 +16,29 @@ a third tensor for their sum. When every view handed out has reported, the padde
 reduce-scattered and the unit reshards; views that get no gradient (unused parameters) are
 reduced by the root's end-of-backward callback.
 
+[Note: Releasing unsharded parameters]
+A unit's unsharded parameters are needed in backward only by ops that saved them in forward.
+Autograd saves a parameter either as itself (LayerNorm's weight: one more reference to the view)
+or as another tensor on the buffer's storage (a Linear's transposed weight; the detached copies
+activation checkpointing keeps after recomputing: one more reference to the storage). Right
+after the views are handed out both counts are recorded; at each view's gradient hook (a point
+where no backward op of this unit is mid-flight) counts back at that level, plus the one
+reference each view's AccumulateGrad node holds while the graph lives, mean no op left needs the
+parameters, and the unit reshards before all its gradients are in. A root that owns a tied
+embedding and output head thus frees its parameters after the head's and the final norm's
+backward (an embedding's backward needs only indices) instead of holding them through every
+block's backward. Each iteration gathers into a fresh buffer, so views of earlier iterations
+that an old graph still holds never count; anything else holding a view (a user's reference)
+only keeps the parameters longer.
+
+Activation checkpointing inside a unit recomputes in backward, and the tensors it saves are
+invisible until recomputed: every sub-module owning the unit's parameters gets a forward
+pre-hook that, inside backward, marks the unit as recomputing (no early release for the rest of
+this backward) and re-gathers if the parameters were already released. A unit whose module owns
+parameters itself (its own forward, which a checkpoint may recompute without hooks, reads them)
+never releases early. A parameter read outside its owner's forward inside a checkpointed region
+of the same unit, recomputed after a release, would find the storage empty and raise.
+
 When a unit reshards after forward, the buffer's storage is resized to zero; the pre-backward hook
 resizes it back and all-gathers into the same storage, so tensors that autograd saved in forward
 (views of that storage) see the re-gathered values. Writes go through `.data`, an alias with its
@@ -86,6 +109,13 @@ class FlatParamHandle:
         self.state = HandleState.SHARDED
         self._leaf: torch.Tensor | None = None  # the unsharded buffer (padded_numel,)
         self._views: list[torch.Tensor] = []  # one per (owner, slot), in _owner_slots order
+        self._views_track = False  # whether the views are gradient-tracking leaves
+        # Released before all gradients are in only when every owner is a sub-module, whose
+        # forward hook re-gathers for a recomputation ([Note: Releasing unsharded parameters]).
+        self.release_early = all(sub is not module for owners in slot_owners for sub, _ in owners)
+        self.recomputing = False  # a recomputation ran in this backward: no early release
+        self._idle_refs: tuple[int, list[int]] | None = None  # reference counts with nothing saved
+        self._refs_before_gather: int | None = None  # the fresh buffer's storage, before its gather
         self._owner_slots = [(module, attr, i) for i, owners in enumerate(slot_owners) for module, attr in owners]
         self._padded_grad: torch.Tensor | None = None  # unsharded gradient, (padded_numel,)
         self._slot_has_grad: list[bool] = []
@@ -114,6 +144,12 @@ class FlatParamHandle:
             and c.param_dtype in (None, self.sharded.dtype)
             and c.reduce_dtype in (None, self.sharded.dtype)
         )
+
+    @property
+    def unsharded_buffer(self) -> torch.Tensor | None:
+        """The padded unsharded buffer of this iteration (its storage is empty while sharded);
+        None at W = 1 without a cast, where the sharded parameter itself is computed with."""
+        return None if self._aliased else self._leaf
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -173,6 +209,11 @@ class FlatParamHandle:
             if not async_op:
                 self._finish_unshard()
             return
+        fresh = not self._views and not self._aliased
+        if fresh:
+            # A fresh buffer per iteration: views an old graph still holds keep the old (empty)
+            # storage, so this storage's reference count sees only this iteration's tensors.
+            self._leaf = None
         leaf = self._ensure_leaf()
         work, sharded = None, None
         if leaf is not self.sharded:
@@ -180,6 +221,8 @@ class FlatParamHandle:
             nbytes = leaf.numel() * leaf.element_size()
             if storage.size() != nbytes:
                 storage.resize_(nbytes)
+            del storage
+            self._refs_before_gather = _storage_refs(leaf) if fresh else None
             sharded = self.sharded.detach()
             if sharded.dtype != leaf.dtype or sharded.device != leaf.device:
                 sharded = sharded.to(device=leaf.device, dtype=leaf.dtype)
@@ -210,15 +253,25 @@ class FlatParamHandle:
                 for module, attr in owners:
                     module.__dict__[attr] = view
             return
-        if not self._views:  # reused until their gradients are in: a second call, a recompute
-            self._views = self._make_views()
+        track = self.requires_grad and torch.is_grad_enabled()
+        # Reused until their gradients are in (a second call of the unit, a recompute); made
+        # afresh after backward, or when grad mode changed since (an eval forward in between).
+        fresh = not self._views or self._views_track != track
+        if fresh:
+            self._views, self._views_track = self._make_views(track), track
         for (module, attr, _), view in zip(self._owner_slots, self._views):
             module.__dict__[attr] = view
+        if fresh:
+            # Counted, not measured, for the storage: a collective's bookkeeping may still hold
+            # the gathered tensor for a while. Right before the gather, plus the views and the
+            # one alias they were cut from, is the count with nothing saved.
+            before_gather, self._refs_before_gather = self._refs_before_gather, None
+            self._idle_refs = None if before_gather is None else (
+                before_gather + len(self._views) + 1, [v._use_count() for v in self._views])
 
-    def _make_views(self) -> list[torch.Tensor]:
+    def _make_views(self, track: bool) -> list[torch.Tensor]:
         """One view per (owner, slot), a gradient-tracking leaf when gradients will flow."""
         buffer = self._ensure_leaf().data
-        track = self.requires_grad and torch.is_grad_enabled()
         views = []
         for _, _, slot_index in self._owner_slots:
             slot = self.layout.slots[slot_index]
@@ -229,6 +282,17 @@ class FlatParamHandle:
             views.append(view)
         self._num_views_pending += len(views) if track else 0
         return views
+
+    def _params_still_saved(self) -> bool:
+        """Whether a saved tensor of a pending backward op still holds the unsharded parameters
+        ([Note: Releasing unsharded parameters])."""
+        if self._idle_refs is None:
+            return True  # views not made right after a fresh gather: nothing to compare with
+        idle_storage_refs, idle_view_refs = self._idle_refs
+        if _storage_refs(self._leaf) > idle_storage_refs:
+            return True  # a saved tensor derived from a view (a transpose, a recomputed copy)
+        # +1 per view for its AccumulateGrad node while the graph lives; more is a saved view.
+        return any(v._use_count() > idle + 1 for v, idle in zip(self._views, idle_view_refs))
 
     def reshard(self, *, for_backward_regather: bool = False) -> None:
         """Free the unsharded storage; views keep their (now empty) storage until re-gathered."""
@@ -265,6 +329,9 @@ class FlatParamHandle:
         self._num_views_done += 1
         if self._num_views_done == self._num_views_pending:
             self.finish_backward()
+        elif (self.release_early and not self.recomputing and self.state == HandleState.UNSHARDED
+              and not self._params_still_saved()):
+            self.reshard()  # no backward op left needs the unsharded parameters
 
     def finish_backward(self) -> None:
         """Reshard, then reduce the padded gradient (unless accumulating without sync); called
@@ -273,6 +340,7 @@ class FlatParamHandle:
         before the reduce-scatter allocates."""
         self._views = []  # the next forward hands out fresh leaves
         self._num_views_pending = self._num_views_done = 0
+        self.recomputing = False
         self.reshard()
         if self._padded_grad is not None and self.sync_grads:
             padded_grad, self._padded_grad = self._padded_grad, None
@@ -349,3 +417,8 @@ class FlatParamHandle:
 
     def local_shard_view(self, padded: torch.Tensor) -> torch.Tensor:
         return shard_of(padded, self.layout, self.comm.shard_rank)
+
+
+def _storage_refs(tensor: torch.Tensor) -> int:
+    """How many tensors (and storage handles) reference `tensor`'s storage."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)

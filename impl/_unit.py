@@ -123,6 +123,15 @@ class FSDPUnit:
         self.training_state = TrainingState.IDLE
         return output
 
+    def owner_pre_forward(self, module: nn.Module, args: tuple) -> None:
+        """Before a sub-module owning this unit's parameters runs: inside backward that is a
+        recomputation, which may come after the unit released its unsharded parameters."""
+        if _in_backward():
+            for handle in self.handles:
+                handle.recomputing = True  # its saved tensors are not all visible: hold on
+                if handle.state == HandleState.SHARDED:
+                    handle.unshard()
+
     # -- backward ----------------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self._root_queue_finalize()

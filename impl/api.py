@@ -175,6 +175,12 @@ def fully_shard(
     module.__dict__["_fsdp_unit"] = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward, with_kwargs=True)
+    # Recomputation (activation checkpointing inside the unit) runs the owners' forward in
+    # backward, possibly after the unit released its parameters: their hooks re-gather.
+    owner_modules = {id(sub): sub for h in handles for owners in h.slot_owners for sub, _ in owners}
+    for sub in owner_modules.values():
+        if sub is not module:
+            sub.register_forward_pre_hook(unit.owner_pre_forward)
     from impl._state_dict import register_state_dict_hooks
 
     register_state_dict_hooks(module, unit)

@@ -197,14 +197,22 @@ def _tag_state(mem: LiveMemory, model, optim, impl_name: str) -> None:
         for value in state.values():
             if torch.is_tensor(value):
                 mem.track(_local(value), live_memory.OPTIMIZER_STATE)
+    if impl_name == "fsdp2":
+        for fsdp_param in _fsdp2_params(model):
+            mem.track(fsdp_param._sharded_param_data, live_memory.PARAMS)
+    _tag_unsharded(mem, model, impl_name)
+
+
+def _tag_unsharded(mem: LiveMemory, model, impl_name: str) -> None:
+    """Tag the unsharded buffers that exist now; called again after forward, because an
+    implementation may gather into fresh buffers every iteration (ours does)."""
     if impl_name == "ours":
         for _, unit in impl.units(model):
             for handle in unit.handles:
-                if handle._leaf is not None:
-                    mem.track(handle._leaf, live_memory.UNSHARDED_PARAMS)
+                if handle.unsharded_buffer is not None:
+                    mem.track(handle.unsharded_buffer, live_memory.UNSHARDED_PARAMS)
     elif impl_name == "fsdp2":
         for fsdp_param in _fsdp2_params(model):
-            mem.track(fsdp_param._sharded_param_data, live_memory.PARAMS)
             for t in fsdp_param.all_gather_outputs:
                 mem.track(t, live_memory.UNSHARDED_PARAMS)
 
@@ -264,6 +272,7 @@ def run_memory(args, rank: int, world_size: int) -> dict:
             mem.track(t, live_memory.INPUTS)
         mem.phase("forward")
         loss = lm_loss(model(x), y)
+        _tag_unsharded(mem, model, args.impl)
         mem.phase("backward")
         loss.backward()
         mem.phase("optimizer")

@@ -1,0 +1,73 @@
+"""A unit releases its unsharded parameters as soon as no backward op needs them (slow tier):
+gradients bitwise equal to the same run without early release, at W = 2 under torchrun.
+
+See tests/rank_scripts/impl_early_release.py for the scenarios and the planted faults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "rank_scripts" / "impl_early_release.py"
+SCENARIOS = ("plain", "blocks_checkpointed", "embedding_recomputed", "head_recomputed")
+pytestmark = pytest.mark.slow
+
+
+def launch(out_dir: Path, fault: str | None = None) -> list[dict]:
+    # The checkout under test first: an editable install may point at another checkout.
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(SCRIPT), str(out_dir), *([fault] if fault else [])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("honest"))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_early_release_changes_no_bit(honest, scenario):
+    for rank in honest:
+        result = rank[scenario]
+        assert "error" not in result, result.get("traceback")
+        assert result["losses_equal"] and result["grads_equal"], (scenario, result)
+        # Without early release the root holds its parameters through every block's backward.
+        assert len(result["root_bytes_late"]) == 3 and min(result["root_bytes_late"]) > 0, result
+
+
+@pytest.mark.parametrize("scenario", ["plain", "blocks_checkpointed", "embedding_recomputed"])
+def test_root_released_before_the_blocks_backward(honest, scenario):
+    # The tied head and the final norm are done; the embeddings need no weight in backward.
+    for rank in honest:
+        assert rank[scenario]["root_bytes_early"] == [0, 0, 0], rank[scenario]
+
+
+def test_no_release_once_the_unit_recomputes(honest):
+    # The head is recomputed at the start of backward: the unit's saved tensors are not all
+    # visible, so it keeps its parameters until its last gradient.
+    for rank in honest:
+        result = rank["head_recomputed"]
+        assert result["root_bytes_early"] == result["root_bytes_late"], result
+
+
+@pytest.mark.parametrize("fault, scenarios", [
+    # Released while the final norm still needs its weight: backward reads an empty buffer.
+    ("release_ignores_saved", SCENARIOS[:3]),
+    # The embeddings recomputed after the release read an empty buffer.
+    ("no_regather_on_recompute", ("embedding_recomputed",)),
+])
+def test_planted_faults_are_caught(tmp_path, fault, scenarios):
+    for rank in launch(tmp_path, fault):
+        for scenario in scenarios:
+            assert "error" in rank[scenario], (fault, scenario, rank[scenario])
