@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cases.data import DATA_MODES, Batch, regression_batch, token_batch
+from cases import architectures as arch
+from cases.data import DATA_MODES, Batch, image_batch, regression_batch, token_batch
 from cases.features import PLAIN, Features
 from cases.models import MLP, Block, TransformerConfig, TransformerLM, lm_loss
 
@@ -74,6 +75,8 @@ class Case:
     seed: int = 0
     tags: tuple[str, ...] = field(default_factory=tuple)
     features: Features = PLAIN  # the FSDP features the cell turns on (cases/features.py)
+    # Data modes the case refuses, each with the reason a user is told (the plan exits 2 with it).
+    refused_modes: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").isalnum():
@@ -86,6 +89,9 @@ class Case:
         for name, value in (("steps", self.steps), ("global_batch", self.global_batch)):
             if value < 1:
                 raise ValueError(f"case={self.name}: {name}={value} must be >= 1")
+        refused = {mode for mode, _ in self.refused_modes}
+        if refused & set(self.data_modes) or refused - set(DATA_MODES):
+            raise ValueError(f"case={self.name}: refused_modes {sorted(refused)} must be data modes it does not run")
         bad_modes = sorted(set(self.data_modes) - set(DATA_MODES))
         if bad_modes or not self.data_modes:
             raise ValueError(f"case={self.name}: data_modes={self.data_modes} must be a non-empty subset of {DATA_MODES}")
@@ -235,6 +241,33 @@ _FEATURE_CASES = (
              Features(requires_device="cuda")),
 )
 CASES.update({case.name: case for case in _FEATURE_CASES})
+
+
+# -- real architectures (cases/architectures.py; needs the `models` extra) -------------------------
+def _hf_case(name: str, description: str, build, wrap: tuple[str, ...]) -> Case:
+    return Case(name=name, description=description, build_model=build, wrap=wrap,
+                make_batch=token_batch(arch.VOCAB, arch.SEQ), loss_fn=lm_loss, optimizers=_STANDARD_OPTIMIZERS,
+                tags=("architecture",))
+
+
+_BATCHNORM_SPLIT = (
+    "BatchNorm normalises over each rank's local batch, so under split data a rank's statistics are "
+    "not the global batch's and the run is not the unsharded one by design; use identical data, or "
+    "nn.SyncBatchNorm in your own model")
+_ARCHITECTURE_CASES = (
+    _hf_case("gpt2", "Hugging Face GPT-2: learned positions, token embedding tied to the output head (the "
+             "seeds' model), 2 blocks wrapped", arch.gpt2, arch.GPT2_WRAP),
+    _hf_case("llama", "Hugging Face Llama: RoPE, RMSNorm, grouped-query attention (4 heads, 2 KV heads), "
+             "SwiGLU, 2 decoder layers wrapped", arch.llama, arch.DECODER_WRAP),
+    _hf_case("moe", "Hugging Face Mixtral: a router sends each token to 2 of 4 experts (some experts get "
+             "no token of a rank's batch), 2 decoder layers wrapped", arch.mixtral, arch.DECODER_WRAP),
+    Case(name="batchnorm", description="ConvNet with BatchNorm2d (batch statistics, running buffers); "
+         "identical data only: " + _BATCHNORM_SPLIT.split(", so")[0], build_model=arch.SmallConvNet,
+         wrap=("block1", "block2"), make_batch=image_batch(3, 6, 5), loss_fn=F.cross_entropy,
+         optimizers=_STANDARD_OPTIMIZERS, data_modes=("identical",), refused_modes=(("split", _BATCHNORM_SPLIT),),
+         tags=("architecture",)),
+)
+CASES.update({case.name: case for case in _ARCHITECTURE_CASES})
 LAYER_CLASSES = {"Block": Block}
 
 

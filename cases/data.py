@@ -42,6 +42,17 @@ def token_batch(vocab_size: int, block_size: int) -> Callable[[int, int, int], B
     return make
 
 
+def image_batch(channels: int, size: int, classes: int) -> Callable[[int, int, int], Batch]:
+    """Gaussian images (B, channels, size, size) and class labels (B,)."""
+
+    def make(seed: int, step: int, global_batch: int) -> Batch:
+        g = _generator(seed, step)
+        images = torch.randn(global_batch, channels, size, size, generator=g)
+        return images, torch.randint(0, classes, (global_batch,), generator=g)
+
+    return make
+
+
 def local_batch(batch: Batch, data_mode: str, rank: int, world_size: int) -> Batch:
     """This rank's part of the global batch.
 

@@ -236,7 +236,9 @@ def build_plan(
         for w in world_sizes:
             for mode in data_modes:
                 if mode not in case.data_modes:
-                    raise PlanError(f"case={case_name} has no data mode {mode!r}; its modes: {list(case.data_modes)}")
+                    why = dict(case.refused_modes).get(mode)
+                    raise PlanError(f"case={case_name} refuses data mode {mode!r}: {why}" if why else
+                                    f"case={case_name} has no data mode {mode!r}; its modes: {list(case.data_modes)}")
                 if mode == "split" and case.global_batch % w:
                     raise PlanError(
                         f"case={case_name}: global_batch={case.global_batch} does not divide by "
