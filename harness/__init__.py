@@ -1,0 +1,23 @@
+"""The harness: is an FSDP implementation the same training run as the unsharded model?
+
+Layout (data flows down the list; `python -m harness VERB` enters through cli.py):
+    run/       plan -> launch (torchrun) -> worker (inside every rank) -> snapshot; outcome (what a
+               launch left), evidence (a snapshot checked against the plan), orchestrate (the parent's loop)
+    adapters/  base (the Adapter protocol), ours, fsdp2, ddp, single, registry (`--impls` names)
+    judge/     tolerance (the error model), shadow (the unsharded replay), diff (per-step checks), verdict
+    report/    build (summary.json, csv), markdown, html, junit, environment
+    ci/        gate, baseline, bisect, mutants
+    fuzz/      spec, pool (persistent ranks), worker (inside them), check, main
+    bench/     main, worker (inside the ranks), live_memory
+
+[Note: Import walls] (tests/test_walls.py reads every module's imports and enforces these):
+1. judge/ and report/ read results; they import no process machinery (run/orchestrate, run/launch,
+   run/lifeline, fuzz/pool), no verb (cli, ci/) and no rank-side module.
+2. A rank-side module (run/worker, fuzz/worker, bench/worker: what torchrun runs with `-m`) is
+   imported by no other module of the harness: the parent never imports a worker.
+3. Only adapters/ours.py imports impl/ (bench/worker.py too: it measures impl's own units and
+   flat-parameter handles, memory figures no adapter exposes).
+4. No module imports a private name (a leading underscore) of another module, nor a private
+   module of another package.
+5. impl/ imports nothing of harness/ or cases/; cases/ imports nothing of harness/ or impl/.
+"""

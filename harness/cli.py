@@ -202,6 +202,7 @@ def cmd_run(args, argv: list[str]) -> int:
 
 def cmd_list() -> int:
     from cases.catalog import CASES
+    from harness.adapters.ours import planted_faults
     from harness.adapters.registry import BUILTIN_IMPLS
 
     print("cases:")
@@ -211,12 +212,12 @@ def cmd_list() -> int:
               f"data {list(case.data_modes)}")
     print("impls: " + ", ".join(BUILTIN_IMPLS) + " (or module:Class / file.py:Class)")
     try:
-        from impl import FAULTS
+        catalog = planted_faults()
     except Exception as e:  # listing still works when impl/ is broken
         print(f"faults: unavailable ({type(e).__name__}: {e})")
     else:
         print("faults (run --faults NAME, planted in impl=ours):")
-        for name, what in FAULTS.items():
+        for name, what in catalog.items():
             print(f"  {name}: {what}")
     return EXIT_PASS
 
@@ -274,7 +275,9 @@ def _import_project(args) -> None:
         import cases.catalog  # noqa: F401
         import harness.run.orchestrate  # noqa: F401
         if args.verb in ("fuzz", "mutants") or "ours" in getattr(args, "impls", "").split(","):
-            import impl  # noqa: F401
+            from harness.adapters.ours import planted_faults
+
+            planted_faults()  # imports impl/
     except Exception as e:
         traceback.print_exc()
         raise CannotTest(f"{type(e).__name__}: {e}") from None
@@ -299,7 +302,8 @@ def cmd_fuzz_or_mutants(args) -> int:
 
 def cmd_bench(args) -> int:
     from harness.bench.main import BenchConfig, BenchError, run_bench
-    from harness.run.plan import PlanError, parse_world_sizes
+    from harness.errors import PlanError
+    from harness.run.plan import parse_world_sizes
 
     try:
         cfg = BenchConfig(_out_dir(args.out), parse_world_sizes(args.speed_world_sizes),

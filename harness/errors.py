@@ -12,6 +12,10 @@ class UserError(ValueError):
     """A flag, file, adapter, baseline, directory or permission the user must fix; exit 2."""
 
 
+class PlanError(UserError):
+    """A bad request (unknown name, impossible combination, duplicate implementation name)."""
+
+
 class PoolLost(BaseException):
     """A rank was ended from outside the run (killed, out of memory): no verdict on the example.
     A BaseException, like KeyboardInterrupt, so hypothesis stops at once instead of shrinking and

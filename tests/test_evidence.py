@@ -21,7 +21,8 @@ from harness.ci.baseline import BaselineRefused, BaselineResult, _check_digests,
 from harness.report.environment import baseline_key
 from harness.judge.diff import DiffStats, OptimizerResult, Violation
 from harness.adapters import RankContext
-from harness.run.orchestrate import RunOutcome, write_init_states
+from harness.run.orchestrate import write_init_states
+from harness.run.outcome import RunOutcome
 from harness.run.output import OutputDir
 from harness.run.plan import build_plan
 from harness.report.build import build_report, report_files

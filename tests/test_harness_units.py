@@ -9,7 +9,8 @@ from cases.catalog import CASES, Case, OptimizerSpec, get_case
 from cases.data import local_batch
 from harness import cli
 from harness.judge.diff import DiffStats, compare, owner_of, ulp_distance
-from harness.run.plan import Cell, PlanError, build_plan
+from harness.errors import PlanError
+from harness.run.plan import Cell, build_plan
 from harness.run.snapshot import FORMAT, load_snapshot, save_snapshot
 from harness.judge.tolerance import ReductionModel, unit_roundoff
 

@@ -16,7 +16,8 @@ from harness.judge.diff import ReferenceDiverged, check_snapshot
 from harness.fuzz.main import OPTIMIZERS
 from harness.fuzz.check import assemble_snapshot
 from harness.fuzz.spec import BlockSpec, ModelSpec, as_case, init_state
-from harness.fuzz.worker import decode, encode, run_example
+from harness.fuzz.worker import run_example
+from harness.run.snapshot import decode, encode
 from harness.adapters import RankContext
 
 _SPEC = ModelSpec(1, 3, 2, (BlockSpec(width=2, gain=True, aux_numel=3),), OPTIMIZERS[0], steps=2)

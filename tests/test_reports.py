@@ -23,7 +23,7 @@ from junitparser import Error, Failure, JUnitXml, Skipped
 from harness.ci.baseline import FORMAT, BaselineRefused, BaselineResult, environment_key, load_baseline
 from harness.judge.diff import CHECK_ORDER, DiffStats, OptimizerResult, Violation
 from harness.ci.gate import add_gate_files
-from harness.run.orchestrate import RunOutcome
+from harness.run.outcome import RunOutcome
 from harness.run.plan import Cell, build_plan
 from harness.report.build import build_report, report_files, step_rows
 from harness.report.view import margin_class, margin_text

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
 from cases.features import DTYPES, PLAIN, Features
+from harness.errors import PlanError
 from harness.adapters.base import RawShard, set_prefetch
 from harness.adapters.features import all_reduce_mean_copy, make_mesh
 
@@ -79,6 +83,24 @@ class Ours:
         impl.load_sharded_checkpoint(fresh, fresh_optim, directory)
         return fresh, fresh_optim
 
+    def full_state_roundtrip(self, model, build_model, wrap_paths, ctx, directory: Path) -> None:
+        """A full state dict saved by rank 0 and loaded on every rank reproduces the parameters."""
+        import impl
+
+        full = impl.full_state_dict(model)
+        path = directory / "full_state.pt"
+        if ctx.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            torch.save(full, path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)
+        dist.barrier()
+        fresh = self.wrap(build_model(), wrap_paths, ctx, frozenset())
+        impl.load_full_state_dict(fresh, torch.load(path, weights_only=True))
+        reloaded = impl.full_state_dict(fresh)
+        bad = [n for n in full if not torch.equal(full[n], reloaded[n])]
+        if bad:
+            raise RuntimeError(f"rank {ctx.rank}: full state dict saved on rank 0 reloads different values for {bad}")
+
     def full_params(self, model):
         from impl import full_state_dict, units
 
@@ -135,3 +157,18 @@ def _auto_wrap_policy(features: Features):
     if features.auto_wrap == "layer_class":
         return impl.ModuleClassPolicy(tuple(LAYER_CLASSES.values()))
     return impl.SizePolicy(features.auto_wrap_min_params)
+
+
+def planted_faults() -> dict[str, str]:
+    """impl/'s planted faults (the seam in impl/_faults.py): name -> the bug it plants."""
+    import impl
+
+    return dict(impl.FAULTS)
+
+
+def check_faults(faults: Iterable[str]) -> None:
+    """Every name is a planted fault of impl/, or PlanError naming the known ones."""
+    known = planted_faults()
+    unknown = sorted(set(faults) - set(known))
+    if unknown:
+        raise PlanError(f"unknown fault(s) {unknown}; known: {sorted(known)}")

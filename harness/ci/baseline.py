@@ -47,7 +47,8 @@ import torch
 
 from cases.catalog import get_case
 from harness.run.evidence import check_snapshot_evidence, model_parameters
-from harness.run.plan import PlanError, RunPlan
+from harness.errors import PlanError
+from harness.run.plan import RunPlan
 from harness.run.snapshot import load_snapshot, snapshot_path, write_atomic_text
 from harness.judge.diff import StepBounds
 from harness.report.environment import BASELINE_KEY_FIELDS, baseline_key, plan_environment

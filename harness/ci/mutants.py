@@ -191,19 +191,18 @@ def table(rows: list[MutantRow]) -> str:
 def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
          world_sizes: tuple[int, ...] | None = None) -> bool:
     """world_sizes: both batteries at these W instead of GATE_WORLD_SIZES / CORPUS_WORLD_SIZES."""
-    from impl import FAULTS
+    from harness.adapters.ours import check_faults, planted_faults
 
+    catalog = planted_faults()
     gate_world_sizes = world_sizes or GATE_WORLD_SIZES
     corpus_world_sizes = world_sizes or CORPUS_WORLD_SIZES
     if min(gate_world_sizes) < 2:
         raise UserError(f"mutants world sizes {list(gate_world_sizes)}: every fault needs W >= 2 to act")
 
-    faults = list(only) if only else sorted(FAULTS)
-    unknown = sorted(set(faults) - set(FAULTS))
-    if unknown:
-        raise UserError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
+    faults = list(only) if only else sorted(catalog)
+    check_faults(faults)
     with OutputDir(out_dir, uuid.uuid4().hex, ("gate", "fuzz", "mutants.md")):
-        return _run(out_dir, faults, FAULTS, timeout_s, gate_world_sizes, corpus_world_sizes)
+        return _run(out_dir, faults, catalog, timeout_s, gate_world_sizes, corpus_world_sizes)
 
 
 def _run(out_dir: Path, faults: list[str], descriptions: dict[str, str], timeout_s: float,

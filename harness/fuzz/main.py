@@ -185,11 +185,9 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
         raise UserError(f"--world-size={world_size} must be between 1 and {MAX_CPU_WORLD_SIZE} (every rank of the "
                         f"pool is a process importing torch on this host)")
     if faults:
-        from impl import FAULTS
+        from harness.adapters.ours import check_faults
 
-        unknown = sorted(set(faults) - set(FAULTS))
-        if unknown:
-            raise UserError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
+        check_faults(faults)
     try:
         spec = ModelSpec.from_json(replay) if replay else None
     except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -23,13 +23,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
-import torch
 import torch.distributed as dist
 
 from harness.errors import PoolLost
-from harness.fuzz.worker import decode, encode
-from harness.run.launch import (EXTERNAL_SIGNALS, _processes_with, _read_rank_logs, _signal_all, child_env, free_port,
-                            kill_launch, root_cause_signal, start_launcher)
+from harness.run.launch import (child_env, dump_rank_stacks, free_port, kill_launch, read_rank_logs,
+                                start_launcher)
+from harness.run.outcome import EXTERNAL_SIGNALS, root_cause_signal
+from harness.run.snapshot import decode, encode
 
 POLL_S = 0.25  # checks for a dead or hung pool
 REPLY_POLL_S = 0.001
@@ -131,7 +131,7 @@ class RankPool:
 
     # -- requests -----------------------------------------------------------------------------------
     def _failure_text(self, what: str) -> str:
-        logs = _read_rank_logs(self._log_dir / "ranks", self.config.world_size)
+        logs = read_rank_logs(self._log_dir / "ranks", self.config.world_size)
         blocks = [log.prefixed(40) for log in logs if "Traceback" in log.stderr or "Thread 0x" in log.stderr]
         if not blocks:
             tail = (self._log_dir / "torchrun.log").read_text(errors="replace").splitlines()[-20:]
@@ -147,8 +147,7 @@ class RankPool:
             if self._proc.poll() is not None:
                 self._fail(self._failure_text(f"{what}: torchrun exited {self._proc.returncode}"))
             if time.monotonic() > deadline:
-                _signal_all(_processes_with(self._launch_id, also="LOCAL_RANK="), signal.SIGUSR1)
-                time.sleep(1.5)  # the ranks' faulthandler dumps their stacks into the logs
+                dump_rank_stacks(self._launch_id)
                 self._fail(self._failure_text(f"{what}: no reply after {timeout_s:.0f}s (stacks below)"))
 
     def _fail(self, text: str, grace_s: float = 0.0) -> NoReturn:

@@ -11,7 +11,6 @@ restarts the pool, since the other ranks may be stuck in a collective.
 from __future__ import annotations
 
 import faulthandler
-import io
 import json
 import signal
 import sys
@@ -29,7 +28,7 @@ from harness.run import lifeline
 from harness.adapters.base import RankContext
 from harness.adapters.ours import Ours
 from harness.judge.shadow import forward_backward
-from harness.run.snapshot import _pack, _unpack
+from harness.run.snapshot import decode, encode
 
 
 def _shards(model) -> tuple[dict, dict]:
@@ -74,18 +73,6 @@ def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.T
         step_data.append(data)
     return {"layouts": json.dumps(_layouts(wrapped)), "init": init_data, "loss": torch.stack(losses),
             "grads": step_grads, "data": step_data}
-
-
-def encode(obj) -> bytes:
-    """torch.save of plain containers, each dict of same-dtype tensors packed into one tensor (a
-    weights_only load of a few tensors is much faster than of hundreds)."""
-    buf = io.BytesIO()
-    torch.save(_pack(obj), buf)
-    return buf.getvalue()
-
-
-def decode(raw: bytes):
-    return _unpack(torch.load(io.BytesIO(raw), weights_only=True))
 
 
 def main(argv: list[str]) -> int:

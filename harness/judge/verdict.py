@@ -17,7 +17,7 @@ import torch
 from cases.catalog import get_case
 from harness.judge.diff import DiffStats, OptimizerResult, ReferenceDiverged, Violation, check_snapshot, flat
 from harness.run.evidence import EvidenceError, check_same_steps, check_snapshot_evidence, model_parameters
-from harness.run.orchestrate import RunOutcome
+from harness.run.outcome import RunOutcome
 from harness.run.plan import Cell, RunPlan
 from harness.run.snapshot import load_snapshot, load_state, snapshot_path
 

@@ -17,7 +17,7 @@ import pandas as pd
 
 from harness.judge.diff import CHECK_ORDER
 from harness.report.environment import plan_environment
-from harness.run.orchestrate import RunOutcome
+from harness.run.outcome import RunOutcome
 from harness.judge.tolerance import TRAJECTORY_FACTOR
 from harness.judge.verdict import CellResult, Matrix
 

@@ -12,95 +12,21 @@ in harness/run/lifeline.py).
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from harness.run import lifeline
+from harness.run.outcome import LaunchResult, RankLog
 from harness.run.plan import Cell, RunPlan, write_launch_plan
 
 LAUNCH_ID_VAR = "HARNESS_LAUNCH_ID"
 STACK_DUMP_GRACE_S = 1.5
-
-
-@dataclass(frozen=True)
-class RankLog:
-    rank: int
-    stdout: str
-    stderr: str
-
-    def prefixed(self, max_lines: int = 80) -> str:
-        lines = (self.stderr.rstrip() or self.stdout.rstrip()).splitlines()[-max_lines:]
-        own = f"[rank{self.rank}]:"  # torchrun's own prefix, replaced by ours
-        return "\n".join(f"[rank {self.rank}] {line.removeprefix(own).removeprefix(' ')}" for line in lines)
-
-
-@dataclass(frozen=True)
-class LaunchResult:
-    world_size: int
-    cell_ids: tuple[str, ...]
-    returncode: int
-    timed_out: bool
-    wall_s: float
-    rank_logs: tuple[RankLog, ...]
-    launcher_output: str
-    log_dir: Path
-    leftover_processes_killed: int
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
-
-    def failure_text(self) -> str:
-        """Why the launch failed, as one prefixed block per rank that said anything useful."""
-        head = (f"launch W={self.world_size} timed out after {self.wall_s:.1f}s (stacks below)"
-                if self.timed_out else f"launch W={self.world_size} exited {self.returncode}")
-        root = self.first_failed_rank()
-        if root is not None:
-            head += f"; first failure: rank {root}"
-        blocks = [log.prefixed() for log in self.rank_logs if _is_informative(log, self.timed_out)]
-        if not blocks:
-            tail = "\n".join(self.launcher_output.rstrip().splitlines()[-30:])
-            blocks = ["\n".join(f"[torchrun] {line}" for line in tail.splitlines())]
-        return head + "\n" + "\n".join(blocks)
-
-    def first_failed_rank(self) -> int | None:
-        """The rank torchrun names as the root cause (first observed failure), if any."""
-        _, _, root = self.launcher_output.partition("Root Cause (first observed failure)")
-        match = re.search(r"rank\s*:\s*(\d+)", root)
-        return int(match.group(1)) if match else None
-
-    def root_cause_signal(self) -> tuple[int, str] | None:
-        return root_cause_signal(self.launcher_output)
-
-    def failed_ranks(self) -> list[int]:
-        return [log.rank for log in self.rank_logs if _is_informative(log, self.timed_out)]
-
-
-# Signals that come from outside the run (an operator, CI cancellation, the OOM killer): a rank
-# ended by one is lost to the infrastructure, not failed by the implementation.
-EXTERNAL_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP")
-
-
-def root_cause_signal(launcher_output: str) -> tuple[int, str] | None:
-    """(rank, signal name) when torchrun's first observed failure is a rank ended by a signal."""
-    _, _, root = launcher_output.partition("Root Cause (first observed failure)")
-    rank = re.search(r"rank\s*:\s*(\d+)", root)
-    code = re.search(r"exitcode\s*:\s*(-\d+)", root)
-    if not (rank and code):
-        return None
-    try:
-        name = signal.Signals(-int(code.group(1))).name
-    except ValueError:
-        name = f"signal {-int(code.group(1))}"
-    return int(rank.group(1)), name
 
 
 def child_env(launch_id: str, threads: int, extra_pythonpath: tuple[str, ...] = ()) -> dict[str, str]:
@@ -122,11 +48,6 @@ def start_launcher(cmd: list[str], env: dict[str, str], log) -> subprocess.Popen
     """torchrun in a session of its own (the group kill), dying with this process (SIGKILL included)."""
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, preexec_fn=lifeline.child_preexec)
-
-
-def _is_informative(log: RankLog, timed_out: bool) -> bool:
-    text = log.stderr
-    return ("Traceback" in text) or (timed_out and ("Thread 0x" in text or "Current thread" in text))
 
 
 def free_port() -> int:
@@ -176,7 +97,14 @@ def kill_launch(launch_id: str, grace_s: float = 1.0) -> int:
     return len(pids)
 
 
-def _read_rank_logs(log_dir: Path, world_size: int) -> tuple[RankLog, ...]:
+def dump_rank_stacks(launch_id: str) -> None:
+    """SIGUSR1 to every rank of the launch (the processes that carry LOCAL_RANK), on which the
+    rank's faulthandler writes every thread's stack into its log; then the time to write them."""
+    _signal_all(_processes_with(launch_id, also="LOCAL_RANK="), signal.SIGUSR1)
+    time.sleep(STACK_DUMP_GRACE_S)
+
+
+def read_rank_logs(log_dir: Path, world_size: int) -> tuple[RankLog, ...]:
     logs = []
     for rank in range(world_size):
         texts = {}
@@ -216,8 +144,7 @@ def launch(
             while proc.poll() is None:
                 if time.monotonic() - start > plan.timeout_s:
                     timed_out = True
-                    _signal_all(_processes_with(launch_id, also="LOCAL_RANK="), signal.SIGUSR1)
-                    time.sleep(STACK_DUMP_GRACE_S)
+                    dump_rank_stacks(launch_id)
                     break
                 if on_poll is not None:
                     on_poll()
@@ -241,7 +168,7 @@ def launch(
         returncode=proc.returncode if not timed_out else 124,
         timed_out=timed_out,
         wall_s=wall_s,
-        rank_logs=_read_rank_logs(log_dir / "ranks", world_size),
+        rank_logs=read_rank_logs(log_dir / "ranks", world_size),
         launcher_output=(log_dir / "torchrun.log").read_text(errors="replace"),
         log_dir=log_dir,
         leftover_processes_killed=leftovers,

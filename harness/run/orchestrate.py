@@ -17,26 +17,15 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from cases.catalog import get_case
-from harness.run.launch import LaunchResult, launch
+from harness.run.launch import launch
+from harness.run.outcome import LaunchResult, RunOutcome
 from harness.run.plan import Cell, RunPlan
 from harness.run.snapshot import complete_path, save_state
-
-
-@dataclass
-class RunOutcome:
-    plan: RunPlan
-    launches: list[LaunchResult] = field(default_factory=list)
-    errors: dict[str, str] = field(default_factory=dict)  # cell_id -> why its evidence is not judged
-    wall_s: float = 0.0
-    # cell_id -> seconds the cell ran in its launch's ranks (its completion record); a cell that
-    # broke its launch gets the launch's time after the cells completed before it, one never run 0.
-    cell_wall_s: dict[str, float] = field(default_factory=dict)
 
 
 def write_init_states(plan: RunPlan) -> None:

@@ -35,6 +35,7 @@ trajectory envelope.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import tempfile
@@ -102,6 +103,18 @@ def _unpack(obj):
     if isinstance(obj, list):
         return [_unpack(v) for v in obj]
     return obj
+
+
+def encode(obj) -> bytes:
+    """torch.save of plain containers, each dict of same-dtype tensors packed into one tensor (a
+    weights_only load of a few tensors is much faster than of hundreds)."""
+    buf = io.BytesIO()
+    torch.save(_pack(obj), buf)
+    return buf.getvalue()
+
+
+def decode(raw: bytes):
+    return _unpack(torch.load(io.BytesIO(raw), weights_only=True))
 
 
 def save_snapshot(path: Path, snapshot: dict) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from cases.catalog import Case, OptimizerSpec, get_case
-from cases.data import Batch, local_batch
+from cases.data import local_batch
 from cases.features import PLAIN
 from harness.run import lifeline
 from harness.adapters.features import apply_activation_checkpointing
@@ -132,26 +132,6 @@ def digest(t: torch.Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 52) - 1)
 
 
-def _full_state_roundtrip(adapter: Adapter, wrapped: nn.Module, case: Case, cell: Cell, ctx: RankContext,
-                          init_state, directory: Path) -> None:
-    """A full state dict saved by rank 0 and loaded on every rank reproduces the parameters."""
-    import impl
-
-    full = impl.full_state_dict(wrapped)
-    path = directory / "full_state.pt"
-    if ctx.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        torch.save(full, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
-    dist.barrier()
-    fresh = adapter.wrap(case.build_model(), case.wrap, ctx, frozenset())
-    impl.load_full_state_dict(fresh, torch.load(path, weights_only=True))
-    reloaded = impl.full_state_dict(fresh)
-    bad = [n for n in full if not torch.equal(full[n], reloaded[n])]
-    if bad:
-        raise RuntimeError(f"rank {ctx.rank}: full state dict saved on rank 0 reloads different values for {bad}")
-
-
 def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], world: RankContext,
              scratch_dir: Path) -> dict | None:
     case = get_case(cell.case)
@@ -203,7 +183,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
             wrapped, optim = adapter.reshard_checkpoint(wrapped, optim, spec, ctx, features, directory, shard_size,
                                                         case.wrap, case.build_model)
     if reshard_steps:
-        _full_state_roundtrip(adapter, wrapped, case, cell, ctx, init_state, scratch_dir / f"{cell.cell_id}.{spec.kind}")
+        adapter.full_state_roundtrip(wrapped, case.build_model, case.wrap, ctx,
+                                     scratch_dir / f"{cell.cell_id}.{spec.kind}")
     if not is_writer:
         return None
     snapshot = {
