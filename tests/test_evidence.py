@@ -340,5 +340,5 @@ def test_two_adapters_with_one_class_name_are_refused_before_any_rank(tmp_path, 
                    "--world-sizes", "1", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
-    assert "share the name 'X'" in err and "rename one of the classes" in err
+    assert "share the name 'x'" in err and "give one of them another `name`" in err
     assert not (tmp_path / "out").exists()  # refused before anything was written

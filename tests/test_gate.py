@@ -74,7 +74,7 @@ def test_a_planted_bug_fails_naming_the_parameter_and_a_crash_gets_its_row(tmp_p
                        "--out", str(out), "--quiet"], cwd=REPO, timeout=900)
     assert rc == 1, log[-4000:]
     cases = _junit(out)
-    assert set(cases) == {"mlp.ours.w2.identical.no_grad_average", "mlp.RaiseOnRank1.w2.identical", "ref.mlp"}, \
+    assert set(cases) == {"mlp.ours.w2.identical.no_grad_average", "mlp.raise_on_rank1.w2.identical", "ref.mlp"}, \
         sorted(cases)
     assert len(cases["ref.mlp"]) == 0  # the reference itself passed
     failure = cases["mlp.ours.w2.identical.no_grad_average"].find("failure")
@@ -82,9 +82,9 @@ def test_a_planted_bug_fails_naming_the_parameter_and_a_crash_gets_its_row(tmp_p
     # the first divergence: a gradient, named by its parameter, at step 1
     assert re.match(r"mlp\.ours\.w2\.identical\.no_grad_average optimizer=\w+ step=1 grad: 'layers\.\d\.(weight|bias)'",
                     failure.get("message")), failure.get("message")
-    error = cases["mlp.RaiseOnRank1.w2.identical"].find("error")
+    error = cases["mlp.raise_on_rank1.w2.identical"].find("error")
     assert error is not None and "rank 1" in error.text and "planted failure" in error.text
     summary = (out / "summary.md").read_text()
     assert summary.startswith("## FSDP equivalence gate: FAIL")
-    assert "| mlp.RaiseOnRank1.w2.identical | error |" in summary
+    assert "| mlp.raise_on_rank1.w2.identical | error |" in summary
     assert "| mlp.ours.w2.identical.no_grad_average | fail |" in summary

@@ -25,11 +25,11 @@ class CorruptGatheredElement(Ours):
 
     name = "corrupt_gathered_element"
 
-    def wrap(self, model, wrap_paths, ctx, faults):
+    def wrap(self, model, wrap_paths, ctx):
         sub = model.get_submodule(wrap_paths[CORRUPT_PATH_INDEX])
         param_name = next(n for n, _ in sub.named_parameters())
         owner_path, _, attr = param_name.rpartition(".")
-        wrapped = super().wrap(model, wrap_paths, ctx, faults)
+        wrapped = super().wrap(model, wrap_paths, ctx)
         if ctx.world_size > 1 and ctx.rank == CORRUPT_RANK:
 
             def corrupt(module, args):
@@ -44,19 +44,19 @@ class CorruptGatheredElement(Ours):
 class RaiseOnRank1(Ours):
     name = "raise_on_rank1"
 
-    def wrap(self, model, wrap_paths, ctx, faults):
+    def wrap(self, model, wrap_paths, ctx):
         if ctx.rank == 1:
             raise RuntimeError("planted failure: rank 1 raises while wrapping")
-        return super().wrap(model, wrap_paths, ctx, faults)
+        return super().wrap(model, wrap_paths, ctx)
 
 
 class HangOnRank1(Ours):
     name = "hang_on_rank1"
 
-    def wrap(self, model, wrap_paths, ctx, faults):
+    def wrap(self, model, wrap_paths, ctx):
         if ctx.rank == 1:
             dist.recv(torch.zeros(1), src=0, group=ctx.group)  # never sent: blocks forever
-        return super().wrap(model, wrap_paths, ctx, faults)
+        return super().wrap(model, wrap_paths, ctx)
 
 
 # Failures after the last snapshot: every cell's evidence is on disk, yet the launch did not end
@@ -65,22 +65,22 @@ class HangOnRank1(Ours):
 class RaiseInDestroyOnRank1(Ours):
     name = "raise_in_destroy_on_rank1"
 
-    def wrap(self, model, wrap_paths, ctx, faults):
+    def wrap(self, model, wrap_paths, ctx):
         if ctx.rank == 1:
             def destroy_process_group(*args, **kwargs):
                 raise RuntimeError("planted failure: rank 1 raises in destroy_process_group")
 
             dist.destroy_process_group = destroy_process_group  # what the worker calls after its last cell
-        return super().wrap(model, wrap_paths, ctx, faults)
+        return super().wrap(model, wrap_paths, ctx)
 
 
 class ExitNonZeroAtExitOnRank1(Ours):
     name = "exit_non_zero_at_exit_on_rank1"
 
-    def wrap(self, model, wrap_paths, ctx, faults):
+    def wrap(self, model, wrap_paths, ctx):
         if ctx.rank == 1:
             atexit.register(os._exit, 3)  # after main() returned 0: no traceback, only the exit status
-        return super().wrap(model, wrap_paths, ctx, faults)
+        return super().wrap(model, wrap_paths, ctx)
 
 
 def _hang_at_exit() -> None:
@@ -90,10 +90,10 @@ def _hang_at_exit() -> None:
 class HangAtExitOnRank1(Ours):
     name = "hang_at_exit_on_rank1"
 
-    def wrap(self, model, wrap_paths, ctx, faults):
+    def wrap(self, model, wrap_paths, ctx):
         if ctx.rank == 1:
             atexit.register(_hang_at_exit)
-        return super().wrap(model, wrap_paths, ctx, faults)
+        return super().wrap(model, wrap_paths, ctx)
 
 
 
@@ -104,8 +104,8 @@ class DriftOneUlpPerStep(Ours):
 
     name = "drift_one_ulp_per_step"
 
-    def build_optimizer(self, model, spec, features):
-        optim = super().build_optimizer(model, spec, features)
+    def make_optimizer(self, model, spec, features):
+        optim = super().make_optimizer(model, spec, features)
 
         def nudge(opt, args, kwargs):
             with torch.no_grad():

@@ -207,10 +207,10 @@ def test_a_drift_every_step_hides_fails_on_the_trajectory_and_the_honest_twin_pa
         "run", "--cases", "mlp", "--impls", f"ours,{PLUGINS}:DriftOneUlpPerStep", "--world-sizes", "2",
         "--data", "split", "--steps", "12"])
     cells = _cells(run)
-    assert set(cells) == {"mlp.ours.w2.split", "mlp.DriftOneUlpPerStep.w2.split"}, sorted(cells)
+    assert set(cells) == {"mlp.ours.w2.split", "mlp.drift_one_ulp_per_step.w2.split"}, sorted(cells)
     honest = cells["mlp.ours.w2.split"]
     assert honest["verdict"] == "pass", honest["first_divergence_text"] or honest["error"]
-    drift = cells["mlp.DriftOneUlpPerStep.w2.split"]
+    drift = cells["mlp.drift_one_ulp_per_step.w2.split"]
     assert drift["verdict"] == "fail", drift["error"]
     assert set(drift["failed_checks"]) == {"trajectory"}, drift["failed_checks"]
     first = drift["first_divergence"]
@@ -298,7 +298,7 @@ def test_one_corrupted_gathered_element_on_one_rank_is_caught(corrupt_run):
     assert corrupt_run["rc"] == 1, corrupt_run["output"][-3000:]
     report = (Path(corrupt_run["out"]) / "report.md").read_text()
     cells = _cells(corrupt_run)
-    assert set(cells) == {f"{c}.CorruptGatheredElement.w2.{d}" for c in ("mlp", "transformer")
+    assert set(cells) == {f"{c}.corrupt_gathered_element.w2.{d}" for c in ("mlp", "transformer")
                           for d in ("identical", "split")}, sorted(cells)
     for cell_id, cell in cells.items():
         assert cell["verdict"] == "fail", cell_id

@@ -28,11 +28,11 @@ def test_a_users_model_passes_at_every_w_and_a_planted_bug_in_its_adapter_fails(
                      "--data", "identical,split", "--out", str(tmp_path / "out")])
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     cells = {c["cell_id"]: c for c in json.loads((tmp_path / "out" / "summary.json").read_text())["cells"]}
-    expected = {f"gated_seq.{impl}.w{w}.{data}" for impl in ("ours", "fsdp2", "ScaledGradients")
+    expected = {f"gated_seq.{impl}.w{w}.{data}" for impl in ("ours", "fsdp2", "scaled_gradients")
                 for w in (1, 2, 4) for data in ("identical", "split")}
     assert set(cells) == expected, sorted(cells)
     for cell_id, cell in cells.items():
-        if ".ScaledGradients." in cell_id and ".w1." not in cell_id:  # at W = 1 nothing is reduced
+        if ".scaled_gradients." in cell_id and ".w1." not in cell_id:  # at W = 1 nothing is reduced
             assert cell["verdict"] == "fail", cell_id
             first = cell["first_divergence"]
             assert (first["step"], first["check"]) == (1, "grad") and first["name"], first

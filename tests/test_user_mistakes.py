@@ -102,7 +102,7 @@ MISTAKES = {
     "--world-sizes 64 on a CPU": (lambda t: ["run", "--world-sizes", "64", "--data", "identical", "--out", str(t / "o")],
                                   "world_size=64 exceeds 16"),
     "two adapters of one name": (lambda t: ["run", *CHEAP, "--impls", f"{_adapter_x(t, 'a')},{_adapter_x(t, 'b')}",
-                                            "--out", str(t / "o")], "share the name 'X'"),
+                                            "--out", str(t / "o")], "share the name 'x'"),
 }
 
 

@@ -1,20 +1,91 @@
-"""The adapter interface every implementation under test satisfies, and what a rank hands it.
+"""The adapter interface: how the harness drives an FSDP implementation, and what a rank hands it.
 
-Built in (one module each): `ours` (impl/), `fsdp2` (torch.distributed.fsdp.fully_shard), `ddp`
-(DistributedDataParallel) and `single` (the plain module, no process group: the reference);
-harness/adapters/registry.py resolves `--impls` names. A user's implementation needs no edit here:
-pass `--impls my_pkg.my_mod:MyAdapter` or `--impls path/to/file.py:MyAdapter`, naming a class (or
-instance) that satisfies `Adapter`.
+[Note: Adapter protocol]
+An adapter is a subclass of `Adapter`. Two things are required:
+- `name`: a unique identifier ([A-Za-z0-9_]+); it keys the cells, reports and baselines, so two
+  `--impls` of one name are refused before any rank starts;
+- `wrap(model, wrap_paths, ctx)`: shard the model (it already holds the reference initial state)
+  and return the module to train. `wrap_paths` are the case's sub-modules to make units of, in
+  order, before the root; `ctx` is the rank's `RankContext` (rank, world size, process group,
+  device, the case's `features`, planted `faults`).
+Training one step needs nothing more: the defaults below run it the way a plain PyTorch loop does
+(`make_optimizer`, `forward_backward`, `optimizer_step`), and full parameters and gradients come
+from the harness (`full_params`, `full_grads`: DTensor `full_tensor()` for FSDP2,
+`summon_full_params` for FSDP1, the inner module of DDP, or the plain module). Override a hook
+only where the implementation differs:
+- `unsupported(features)`: why the adapter cannot run a case's features (the cell is skipped
+  with that reason) or None. The default accepts only plain cases and names every feature it
+  does not map, so a minimal adapter is never handed a feature it would silently ignore.
+- `make_optimizer(model, spec, features)`: for libraries that own the optimizer (ZeRO-1,
+  DeepSpeed's engine). `forward_backward(...)` and `optimizer_step(...)`: for libraries that own
+  the step (an engine's `backward`/`step`); the harness snapshots gradients between the two.
+- `set_gradient_sync(model, enabled)`, `clip_grad_norm(model, max_norm, norm_type)`,
+  `materialize(model, init_state, device)` (meta-device init), `reshard_checkpoint(...)`.
+- `layouts(model)` and `raw_shards(model)`: optional evidence of the sharding itself. When an
+  adapter gives them they are validated ([Note: Layout validation] in harness/judge/layouts.py):
+  every parameter's layout must reproduce its full tensor from the ranks' raw shards, bitwise, and
+  no padding interval may cover a parameter's element; a wrong layout is an error naming the
+  parameter. `param_padding` / `grad_padding` declare what the padding of raw shards holds:
+  `Padding.ZERO` (checked exactly) or `Padding.UNSPECIFIED` (any value, NaN included, never
+  judged). Torch FSDP1, for instance, fills its alignment padding with 42 on purpose.
+
+Ten lines that pass the standard matrix for torch FSDP2 (`--impls my_fsdp2.py:MyFSDP2`):
+
+    from torch.distributed.fsdp import fully_shard
+    from harness.adapters import Adapter
+
+    class MyFSDP2(Adapter):
+        name = "my_fsdp2"
+
+        def wrap(self, model, wrap_paths, ctx):
+            for path in wrap_paths:
+                fully_shard(model.get_submodule(path))
+            return fully_shard(model)
+
+A library that owns the step (make_optimizer / forward_backward / optimizer_step), sketched:
+
+    class Engine(Adapter):
+        name = "engine"
+
+        def wrap(self, model, wrap_paths, ctx):
+            return model                                  # the engine is built with the optimizer
+
+        def make_optimizer(self, model, spec, features):
+            self.engine = lib.initialize(model, optimizer=spec.build(model.parameters()))
+            return self.engine.optimizer
+
+        def forward_backward(self, model, loss_fn, inputs, targets, num_micro):
+            loss = loss_fn(self.engine(inputs), targets)
+            self.engine.backward(loss)
+            return loss.detach()
+
+        def optimizer_step(self, model, optim, features):
+            self.engine.step()
+
+Built in (one module each): `ours` (impl/), `fsdp2` (torch fully_shard), `fsdp1`
+(FullyShardedDataParallel, a variant per sharding strategy), `deepspeed_zero1/2/3` (optional
+extra), `ddp`, `single` (the plain module, no process group: the reference);
+harness/adapters/registry.py resolves `--impls` names, and a user's adapter needs no edit here:
+`--impls my_pkg.my_mod:MyAdapter` or `--impls path/to/file.py:MyAdapter`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+import enum
+import re
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from cases.features import PLAIN, Features
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_]+")
+# Prefixes torch's wrappers insert into parameter names (FSDP1's FlatParameter owner, activation
+# checkpointing's wrapper); the harness compares under the plain model's names.
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
 @dataclass(frozen=True)
@@ -23,6 +94,15 @@ class RankContext:
     world_size: int
     group: dist.ProcessGroup | None  # None: no process group (W = 1, impl=single)
     device: torch.device = torch.device("cpu")
+    features: Features = PLAIN  # what the case turns on (cases/features.py)
+    faults: frozenset[str] = field(default_factory=frozenset)  # planted faults (impl=ours only)
+
+
+class Padding(enum.Enum):
+    """What an implementation's raw shards hold in their padding."""
+
+    ZERO = "zero"  # exactly zero, always: the padding check compares every element with 0
+    UNSPECIFIED = "unspecified"  # any value (a fill pattern, uninitialised memory): not judged
 
 
 @dataclass(frozen=True)
@@ -35,26 +115,133 @@ class RawShard:
     padding_intervals: tuple[tuple[int, int], ...]  # every padding run, shard-local [start, end)
 
 
-@runtime_checkable
-class Adapter(Protocol):
-    name: str
-    needs_process_group: bool
+class Adapter:
+    """Base class of every implementation under test: [Note: Adapter protocol] above."""
 
-    def wrap(self, model: nn.Module, wrap_paths: tuple[str, ...], ctx: RankContext,
-             faults: frozenset[str]) -> nn.Module:
-        """Shard/wrap `model` (already holding the reference initial state) for training."""
+    name: ClassVar[str] = ""
+    needs_process_group: ClassVar[bool] = True
+    # Wrapping parameters tied across units raises (the `tied_embeddings` case checks the message).
+    refuses_cross_unit_ties: ClassVar[bool] = False
+    # Features.checkpoint_reshard_at: reshard_checkpoint() reloads the model over fewer ranks. The
+    # reference (single) leaves it False: a plain model trains on unchanged.
+    reshards_checkpoints: ClassVar[bool] = False
+    param_padding: ClassVar[Padding] = Padding.ZERO
+    grad_padding: ClassVar[Padding] = Padding.ZERO
+
+    # -- required ---------------------------------------------------------------------------------
+
+    def wrap(self, model: nn.Module, wrap_paths: tuple[str, ...], ctx: RankContext) -> nn.Module:
+        raise NotImplementedError(f"adapter {type(self).__name__} must implement wrap(model, wrap_paths, ctx)")
+
+    # -- what it can run ----------------------------------------------------------------------------
+
+    def unsupported(self, features: Features) -> str | None:
+        """None when this adapter maps every feature of a case, else why not (the cell is skipped)."""
+        unmapped = feature_fields(features)
+        if not unmapped:
+            return None
+        return (f"adapter {self.name!r} maps none of the case's features ({', '.join(unmapped)}); "
+                f"override Adapter.unsupported to accept the ones wrap() handles")
+
+    # -- training one step ----------------------------------------------------------------------------
+
+    def make_optimizer(self, model: nn.Module, spec, features: Features) -> torch.optim.Optimizer:
+        return spec.build(model.parameters())
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Gradient accumulation: called before every micro-batch, enabled on the last only."""
+        model.set_requires_gradient_sync(enabled)  # ours and FSDP2
+
+    def forward_backward(self, model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor,
+                         num_micro: int) -> torch.Tensor:
+        """One step's forward and backward over `num_micro` micro-batches; returns the local loss."""
+        from harness.judge.shadow import forward_backward
+
+        before = (lambda i: self.set_gradient_sync(model, i == num_micro - 1)) if num_micro > 1 else None
+        return forward_backward(model, loss_fn, inputs, targets, num_micro, before_micro=before)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float) -> None:
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm, norm_type)
+
+    def optimizer_step(self, model: nn.Module, optim: torch.optim.Optimizer, features: Features) -> None:
+        if features.clip_norm_type is not None:
+            self.clip_grad_norm(model, features.clip_max_norm, features.clip_norm_type)
+        optim.step()
+
+    def zero_grad(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        optim.zero_grad(set_to_none=True)
+
+    def materialize(self, model: nn.Module, init_state: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Meta-device init (Features.meta_init): give the wrapped model the reference state."""
+        raise NotImplementedError(f"adapter {self.name!r} has no materialize(); it cannot run meta_init cases")
+
+    def reshard_checkpoint(self, model, optim, spec, ctx, features, directory, shard_size, wrap_paths, build_model):
+        """With `reshards_checkpoints`: save sharded, reload over `shard_size` ranks; (model, optim)."""
+        raise NotImplementedError(f"adapter {self.name!r} has no reshard_checkpoint()")
+
+    def full_state_roundtrip(self, model, build_model, wrap_paths, ctx, directory) -> None:
+        """With `reshards_checkpoints`, after the last step: a full state dict reloads bitwise."""
+        raise NotImplementedError(f"adapter {self.name!r} has no full_state_roundtrip()")
+
+    # -- evidence -----------------------------------------------------------------------------------
 
     def full_params(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full parameters under the plain model's names (a collective; every rank calls it)."""
+        """Full parameters under the plain model's names (a collective: every rank calls it)."""
+        return full_tensors(model, grads=False)
 
     def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full averaged gradients under the plain model's names (after backward, a collective)."""
+        """Full averaged gradients under the plain model's names (after backward; a collective)."""
+        return full_tensors(model, grads=True)
 
     def layouts(self, model: nn.Module) -> dict[str, dict]:
-        """Per parameter name, how its elements map to ranks (see snapshot.py, 'layouts')."""
+        """Per parameter name, how its elements map to ranks (harness/run/snapshot.py, 'layouts');
+        {} when the adapter gives none (owning ranks are then not named)."""
+        return {}
 
     def raw_shards(self, model: nn.Module) -> list[RawShard]:
         """This rank's raw padded shards (no collective); [] when the impl exposes none."""
+        return []
+
+
+def feature_fields(features: Features) -> list[str]:
+    """'name=value' of every feature that differs from a plain case (refused_wrap aside: it
+    asks nothing of a wrap that ties nothing across units)."""
+    return [f"{f.name}={getattr(features, f.name)!r}" for f in fields(Features)
+            if f.name != "refused_wrap" and getattr(features, f.name) != getattr(PLAIN, f.name)]
+
+
+def plain_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def full_tensors(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+    """Full parameters (or gradients) of a wrapped model, under the plain model's names: DTensors
+    through full_tensor(), FSDP1 inside summon_full_params, DDP's inner module, a plain module as is."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False, with_grads=grads):
+            return _named_full(model, grads)
+    return _named_full(model, grads)
+
+
+def _named_full(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        out[plain_name(name)] = t.detach().clone()
+    return out
 
 
 def set_prefetch(model: nn.Module, wrap_paths: tuple[str, ...]) -> None:

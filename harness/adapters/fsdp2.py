@@ -6,14 +6,13 @@ import math
 
 import torch
 
-from cases.features import DTYPES, PLAIN, Features
-from harness.adapters.base import set_prefetch
+from cases.features import DTYPES, Features
+from harness.adapters.base import Adapter, set_prefetch
 from harness.adapters.features import make_mesh
 
 
-class FSDP2:
+class FSDP2(Adapter):
     name = "fsdp2"
-    needs_process_group = True
 
     def unsupported(self, features: Features) -> str | None:
         for field_name, reason in (
@@ -25,10 +24,11 @@ class FSDP2:
                 return reason
         return None
 
-    def wrap(self, model, wrap_paths, ctx, faults, features: Features = PLAIN):
+    def wrap(self, model, wrap_paths, ctx):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        features = ctx.features
         if features.mesh == "shard":
             mesh = DeviceMesh.from_group(ctx.group, ctx.device.type)
         else:
@@ -52,12 +52,6 @@ class FSDP2:
             for name, param in model.named_parameters():
                 param.copy_(distribute_tensor(init_state[name], param.device_mesh, param.placements))
 
-    def full_params(self, model):
-        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-
-    def full_grads(self, model):
-        return {n: p.grad.full_tensor().detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
     def layouts(self, model):
         out = {}
         for name, p in model.named_parameters():
@@ -66,6 +60,3 @@ class FSDP2:
             out[name] = {"kind": "dim0", "rows": rows, "chunk_rows": math.ceil(rows / world_size),
                          "world_size": world_size}
         return out
-
-    def raw_shards(self, model):
-        return []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -10,24 +11,25 @@ import torch.distributed as dist
 
 from cases.features import DTYPES, PLAIN, Features
 from harness.errors import PlanError
-from harness.adapters.base import RawShard, set_prefetch
+from harness.adapters.base import Adapter, RawShard, set_prefetch
 from harness.adapters.features import all_reduce_mean_copy, make_mesh
 
 
-class Ours:
+class Ours(Adapter):
     name = "ours"
-    needs_process_group = True
     refuses_cross_unit_ties = True  # tied parameters across units raise at fully_shard
+    reshards_checkpoints = True
 
     def unsupported(self, features: Features) -> str | None:
         return None
 
-    def wrap(self, model, wrap_paths, ctx, faults, features: Features = PLAIN):
+    def wrap(self, model, wrap_paths, ctx):
         import impl
 
+        features = ctx.features
         if features.zero1:
             return model  # replicated parameters; the optimizer shards its state
-        kwargs = {"_faults": faults, "reshard_after_forward": features.reshard_after_forward}
+        kwargs = {"_faults": ctx.faults, "reshard_after_forward": features.reshard_after_forward}
         if features.mesh == "shard":
             kwargs["process_group"] = ctx.group
         else:
@@ -54,17 +56,23 @@ class Ours:
         impl.init_meta_module(model, device)
         impl.load_full_state_dict(model, init_state)
 
-    def build_optimizer(self, model, spec, features: Features):
+    def make_optimizer(self, model, spec, features: Features):
         import impl
 
         if not features.zero1:
             return spec.build(model.parameters())
         return impl.ZeroRedundancyOptimizer(model.parameters(), spec.build)
 
+    def set_gradient_sync(self, model, enabled):
+        from impl import units
+
+        if units(model):  # zero1: plain replicated parameters, averaged inside the optimizer's step
+            model.set_requires_gradient_sync(enabled)
+
     def clip_grad_norm(self, model, max_norm, norm_type):
         import impl
 
-        return impl.clip_grad_norm_(model, max_norm, norm_type)
+        impl.clip_grad_norm_(model, max_norm, norm_type)
 
     def reshard_checkpoint(self, model, optim, spec, ctx, features, directory, shard_size, wrap_paths, build_model):
         """Save a sharded checkpoint, then load it into a fresh model sharded over `shard_size`
@@ -94,7 +102,7 @@ class Ours:
             torch.save(full, path.with_suffix(".tmp"))
             path.with_suffix(".tmp").replace(path)
         dist.barrier()
-        fresh = self.wrap(build_model(), wrap_paths, ctx, frozenset())
+        fresh = self.wrap(build_model(), wrap_paths, replace(ctx, features=PLAIN, faults=frozenset()))
         impl.load_full_state_dict(fresh, torch.load(path, weights_only=True))
         reloaded = impl.full_state_dict(fresh)
         bad = [n for n in full if not torch.equal(full[n], reloaded[n])]

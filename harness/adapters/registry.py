@@ -5,18 +5,23 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from pathlib import Path
+from typing import Callable
 
-from harness.adapters.base import Adapter
+from harness.adapters.base import NAME_PATTERN, Adapter
 from harness.adapters.ddp import DDP
+from harness.adapters.fsdp1 import FSDP1_VARIANTS
 from harness.adapters.fsdp2 import FSDP2
 from harness.adapters.ours import Ours
 from harness.adapters.single import Single
 
-BUILTIN_IMPLS: dict[str, type] = {"ours": Ours, "fsdp2": FSDP2, "ddp": DDP, "single": Single}
+BUILTIN_IMPLS: dict[str, Callable[[], Adapter]] = {
+    "ours": Ours, "fsdp2": FSDP2, **FSDP1_VARIANTS, "ddp": DDP, "single": Single,
+}
 
 
 def resolve_impl(spec: str) -> Adapter:
-    """A built-in name, or 'module.path:attr' / 'path/to/file.py:attr' naming an Adapter."""
+    """A built-in name, or 'module.path:attr' / 'path/to/file.py:attr' naming an Adapter subclass
+    (or instance). ValueError, naming the fix, for anything else."""
     if spec in BUILTIN_IMPLS:
         return BUILTIN_IMPLS[spec]()
     if ":" not in spec:
@@ -40,9 +45,16 @@ def resolve_impl(spec: str) -> Adapter:
     obj = getattr(module, attr, None)
     if obj is None:
         raise ValueError(f"impl {spec!r}: {target!r} has no attribute {attr!r}")
+    if not (isinstance(obj, Adapter) or (isinstance(obj, type) and issubclass(obj, Adapter))):
+        raise ValueError(f"impl {spec!r}: {attr} is not a subclass of harness.adapters.Adapter; subclass it "
+                         f"(only `name` and wrap(model, wrap_paths, ctx) are required)")
     adapter = obj() if isinstance(obj, type) else obj
-    if not isinstance(adapter, Adapter):
-        missing = [m for m in ("name", "needs_process_group", "wrap", "full_params", "full_grads", "layouts",
-                               "raw_shards") if not hasattr(adapter, m)]
-        raise ValueError(f"impl {spec!r} does not satisfy harness.adapters.Adapter; missing {missing}")
+    if type(adapter).wrap is Adapter.wrap:
+        raise ValueError(f"impl {spec!r}: {attr} does not implement wrap(model, wrap_paths, ctx)")
+    if not isinstance(adapter.name, str) or not NAME_PATTERN.fullmatch(adapter.name):
+        raise ValueError(f"impl {spec!r}: {attr}.name={adapter.name!r} must be a non-empty name of letters, digits "
+                         f"and '_' (it keys the cells and reports); set the class attribute `name`")
+    if adapter.name in BUILTIN_IMPLS:
+        raise ValueError(f"impl {spec!r}: {attr}.name={adapter.name!r} is a built-in implementation's name; "
+                         f"give your adapter its own name")
     return adapter

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.adapters.ours import Ours
 from harness.judge.diff import CHECK_ORDER, Violation, check_snapshot
+from harness.judge.layouts import assemble_flat
 from harness.fuzz.pool import ExampleError, RankPool
 from harness.fuzz.spec import ModelSpec, as_case, init_state
 from harness.run.plan import Cell
@@ -61,8 +63,7 @@ def _full(stacked: dict[str, torch.Tensor], name_layouts: dict, sizes: dict[str,
     for name, layout in name_layouts.items():
         rows = stacked.get(layout["flat_key"])
         if rows is not None and name in sizes:
-            size = sizes[name]
-            out[name] = rows.reshape(-1)[layout["offset"] : layout["offset"] + size.numel()].view(size).clone()
+            out[name] = assemble_flat(layout, rows, sizes[name]).clone()
     return out
 
 
@@ -100,6 +101,7 @@ def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[di
     cell = Cell("fuzz", "ours", spec.world_size, spec.data_mode, spec.steps, faults=tuple(sorted(faults)))
     return {"format": FORMAT, "cell": cell.to_json(), "optimizer": spec.optimizer.kind,
             "world_size": spec.world_size, "layouts": name_layouts,
+            "padding": {"params": Ours.param_padding.value, "grads": Ours.grad_padding.value},
             "init": {"params": full(stack([r["init"] for r in replies]))}, "steps": steps}
 
 

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.T
     case = as_case(spec)
     model = case.build_model()
     model.load_state_dict(init)
-    wrapped = Ours().wrap(model, case.wrap, ctx, faults)
+    wrapped = Ours().wrap(model, case.wrap, replace(ctx, faults=faults))
     optim = spec.optimizer.build(wrapped.parameters())
     init_data, _ = _shards(wrapped)
     losses, step_grads, step_data = [], [], []

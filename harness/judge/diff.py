@@ -11,7 +11,8 @@ a NaN can never compare as "not greater"):
 - bias: per gradient, the signs of its differences from the exact mean are fair coins (honest
   rounding), not tilted upward (a shift) or along the gradient (a scale error);
 - replicas: every rank's full parameters and gradients bitwise equal (NO_SHARD, HSDP replicas);
-- padding: padded shard elements exactly zero;
+- padding: padded shard elements exactly zero, where the adapter declares its padding zero
+  (an UNSPECIFIED convention is neither compared with zero nor scanned for non-finite values);
 - trajectory: the free-running cell within TRAJECTORY_FACTOR x the perturbed references'
   deviation from the free-running reference.
 A non-finite value in the shadow or the reference means the case itself diverged: an error, not
@@ -368,6 +369,15 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
     layouts = snap["layouts"]
     viol = result.violations
     kind = spec.kind
+    padding = snap["padding"]  # the adapter's declared convention (harness/adapters/base.py, Padding)
+
+    def shard_rows(rec):
+        """(key, (W, shard_numel) rows, whether its padding is declared zero) of every raw shard."""
+        return ([(k, t, padding["params"] == "zero") for k, t in rec["shards"].items()]
+                + [(k + " (grad)", t, padding["grads"] == "zero") for k, t in rec["shard_grads"].items()])
+
+    def intervals_of(rec, key):
+        return rec["padding_intervals"][key.removesuffix(" (grad)")]
 
     step_worst: dict[tuple[int, str], dict] = {}  # (step, check) -> the element nearest its tolerance
 
@@ -399,6 +409,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
     traj: dict[str, list[DiffStats]] = {"loss": [], "grad": [], "param": []}
     for i, rec in enumerate(steps):
         step, shadow = rec["step"], rec["shadow"]
+        step_layouts = rec.get("layouts", layouts)  # a resharding case changes them mid-run
         if any(v.check == "nonfinite" for v in viol):
             # The cell went non-finite at an earlier step: the shadow now starts from its non-finite
             # parameters, so later steps say nothing more; the first divergence is already named.
@@ -419,13 +430,16 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         for group in (rec["grads"], rec["params"]):
             for name, t in group.items():
                 stats["nonfinite"].add(t.numel())
-                v = _nonfinite(kind, step, name, t, layouts.get(name))
+                v = _nonfinite(kind, step, name, t, step_layouts.get(name))
                 if v:
                     viol.append(v)
-        for key, rows in list(rec["shards"].items()) + [(k + " (grad)", t) for k, t in rec["shard_grads"].items()]:
+        for key, rows, padding_judged in shard_rows(rec):
             for r in range(rows.shape[0]):
-                stats["nonfinite"].add(rows[r].numel())
-                v = _nonfinite(kind, step, key, rows[r], None, rank=r)
+                # Padding of an UNSPECIFIED convention may hold anything (uninitialised memory):
+                # zeroed in a copy, so an index found still names the shard's own element.
+                judged = rows[r] if padding_judged else _without_padding(rows[r], intervals_of(rec, key)[r])
+                stats["nonfinite"].add(judged.numel())
+                v = _nonfinite(kind, step, key, judged, None, rank=r)
                 if v:
                     viol.append(v)
 
@@ -450,7 +464,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             raise ValueError(f"step {step}: gradients of {sorted(missing)[:4]} are in only one of cell and replay")
         grad_tols, param_tols = step_bounds.step(step, shadow)
         for name, g in rec["grads"].items():
-            judge("grad", step, name, g, shadow["grads"][name], grad_tols[name], layouts.get(name),
+            judge("grad", step, name, g, shadow["grads"][name], grad_tols[name], step_layouts.get(name),
                   value=shadow["grads"][name])
             tilt = _bias(kind, step, name, g, shadow["grads"][name])
             stats["bias"].add(1, tilt.ratio if tilt else 0.0)
@@ -460,10 +474,10 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             if tilt and not tilt.ratio <= 1:
                 viol.append(tilt)
             p_ref = shadow["params"][name]
-            judge("param", step, name, rec["params"][name], p_ref, param_tols[name], layouts.get(name), value=p_ref)
+            judge("param", step, name, rec["params"][name], p_ref, param_tols[name], step_layouts.get(name), value=p_ref)
         for name in rec["params"].keys() - rec["grads"].keys():
             # No gradient (frozen): no arithmetic touches the parameter, so it must match exactly.
-            judge("param", step, name, rec["params"][name], shadow["params"][name], zero, layouts.get(name))
+            judge("param", step, name, rec["params"][name], shadow["params"][name], zero, step_layouts.get(name))
 
         # replicas: every rank's full tensors bitwise equal
         replicas = rec.get("replicas")
@@ -479,9 +493,11 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                             viol.append(Violation(kind, step, "replicas", name, float("inf"), float("nan"), 0.0,
                                                   float("nan"), float("nan"), rank=r))
 
-        # padding: exactly zero
-        for key, rows in list(rec["shards"].items()) + [(k + " (grad)", t) for k, t in rec["shard_grads"].items()]:
-            for r, intervals in enumerate(rec["padding_intervals"][key.removesuffix(" (grad)")]):
+        # padding: exactly zero where the adapter declares Padding.ZERO
+        for key, rows, padding_judged in shard_rows(rec):
+            if not padding_judged:
+                continue
+            for r, intervals in enumerate(intervals_of(rec, key)):
                 at = torch.cat([torch.arange(start, end) for start, end in intervals] + [torch.arange(0)])
                 pad = rows[r, at]
                 stats["padding"].add(pad.numel())
@@ -513,7 +529,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                 if v:
                     viol.append(Violation(kind, step, "trajectory", name, v.ratio, v.abs_diff, v.tol,
                                           p.reshape(-1)[worst].item(), ref_rec["params"][name].reshape(-1)[worst].item(),
-                                          worst, _coords(p.shape, worst), owner_of(layouts.get(name), p.shape, worst)))
+                                          worst, _coords(p.shape, worst), owner_of(step_layouts.get(name), p.shape, worst)))
 
             split = cell["data_mode"] == "split"
             actual_losses = rec["loss"].double().mean().reshape(1) if split else rec["loss"].double()
@@ -534,6 +550,14 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
     result.margins = {c: s.max_ratio for c, s in stats.items()}
     result.error = precision_refusal(result.checks["grad"], reduction)
     return result
+
+
+def _without_padding(shard: torch.Tensor, intervals) -> torch.Tensor:
+    """A copy of a shard with its padding intervals set to zero."""
+    out = shard.clone()
+    for start, end in intervals:
+        out[start:end] = 0
+    return out
 
 
 def precision_refusal(grad_check: dict, reduction: ReductionModel) -> str | None:

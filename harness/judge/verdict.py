@@ -16,6 +16,7 @@ import torch
 
 from cases.catalog import get_case
 from harness.judge.diff import DiffStats, OptimizerResult, ReferenceDiverged, Violation, check_snapshot, flat
+from harness.judge.layouts import LayoutError, check_layouts, parameter_names
 from harness.run.evidence import EvidenceError, check_same_steps, check_snapshot_evidence, model_parameters
 from harness.run.outcome import RunOutcome
 from harness.run.plan import Cell, RunPlan
@@ -91,6 +92,7 @@ def evaluate(plan: RunPlan, outcome: RunOutcome) -> tuple[list[CellResult], list
         except Exception as e:
             init_states[name] = f"initial state {path} unusable: {type(e).__name__}: {e}"
     parameters = {name: model_parameters(name) for name in case_names}
+    layout_names = {name: parameter_names(get_case(name).build_model()) for name in case_names}
 
     def load_evidence(cell: Cell, kind: str) -> dict:
         path = snapshot_path(plan.snapshot_dir, cell.cell_id, kind)
@@ -105,6 +107,10 @@ def evaluate(plan: RunPlan, outcome: RunOutcome) -> tuple[list[CellResult], list
             check_snapshot_evidence(snap, cell, kind, plan.run_id, sizes, grad_names)
         except EvidenceError as e:
             raise EvidenceError(f"snapshot {path}: {e}") from None
+        try:
+            check_layouts(snap, *layout_names[cell.case])
+        except LayoutError as e:
+            raise LayoutError(f"optimizer={kind}: {e}") from None
         return snap
 
     def result_for(cell: Cell) -> CellResult:
@@ -124,6 +130,8 @@ def evaluate(plan: RunPlan, outcome: RunOutcome) -> tuple[list[CellResult], list
                     check_same_steps(loaded[spec.kind], ref, ref_cell)
         except EvidenceError as e:
             return CellResult(cell, "error", error=f"incomplete evidence: {e}")
+        except LayoutError as e:  # [Note: Layout validation]
+            return CellResult(cell, "error", error=f"the adapter's layouts contradict its raw shards: {e}")
         result = CellResult(cell, "pass")
         for kind, snap in loaded.items():
             ref = snapshots.get((ref_cell.cell_id, kind))

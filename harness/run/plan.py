@@ -42,6 +42,9 @@ class Cell:
     steps: int
     faults: tuple[str, ...] = ()
     is_reference: bool = False
+    # A user's adapter ('module:Class' / 'file.py:Class'): its unique `name`, filled in by
+    # build_plan, keys the cells and reports; a built-in impl is its own name.
+    impl_name: str = ""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -53,7 +56,9 @@ class Cell:
 
     @property
     def impl_label(self) -> str:
-        return re.sub(r"[^A-Za-z0-9_]+", "_", self.impl.rsplit(":", 1)[-1])
+        if ":" not in self.impl:
+            return self.impl
+        return self.impl_name or re.sub(r"[^A-Za-z0-9_]+", "_", self.impl.rsplit(":", 1)[-1])
 
     @property
     def case_label(self) -> str:
@@ -197,6 +202,7 @@ def build_plan(
         raise PlanError(f"threads={threads} must be >= 1")
     check_backend(backend, device, world_sizes)
     labels: dict[str, str] = {}
+    adapters = {}
     for impl in impls:
         try:
             adapter = resolve_impl(impl)
@@ -205,11 +211,12 @@ def build_plan(
         except Exception as e:  # a user's adapter file with a syntax error, raising at import or in __init__
             raise PlanError(f"impl {impl!r}: loading it raised {type(e).__name__}: {_one_line(e)}; "
                             f"fix the adapter and run again") from None
-        label = Cell("mlp", impl, 1, "identical", 1).impl_label
+        label = adapter.name
         if label in labels:
             raise PlanError(f"--impls {labels[label]} and {impl} share the name {label!r}, which keys their cells and "
-                            f"reports; rename one of the classes")
+                            f"reports; give one of them another `name`")
         labels[label] = impl
+        adapters[impl] = adapter
         if not adapter.needs_process_group and any(w != 1 for w in world_sizes):
             raise PlanError(
                 f"impl={impl} runs without a process group, so only at world_size=1; "
@@ -243,8 +250,9 @@ def build_plan(
             for mode in data_modes:
                 for impl in impls:
                     cell = Cell(case_name, impl, w, mode, steps or case.steps,
-                                faults=tuple(sorted(faults)) if impl == "ours" else ())
-                    reason = _skip_reason(case, impl)
+                                faults=tuple(sorted(faults)) if impl == "ours" else (),
+                                impl_name=adapters[impl].name if ":" in impl else "")
+                    reason = _skip_reason(case, adapters[impl])
                     if reason:
                         skipped.append((cell, reason))
                     else:
@@ -289,16 +297,11 @@ def check_backend(backend: str, device: str, world_sizes: tuple[int, ...]) -> No
                             f"{visible} visible GPU(s) (CUDA_VISIBLE_DEVICES); use --world-sizes up to {visible}")
 
 
-def _skip_reason(case, impl: str) -> str | None:
+def _skip_reason(case, adapter) -> str | None:
     """Why a cell cannot run here (a missing device, a feature the implementation lacks)."""
     from harness.adapters.features import device_available
-    from harness.adapters.registry import resolve_impl
 
-    reason = device_available(case.features)
-    if reason:
-        return reason
-    unsupported = getattr(resolve_impl(impl), "unsupported", None)
-    return unsupported(case.features) if unsupported else None
+    return device_available(case.features) or adapter.unsupported(case.features)
 
 
 def write_launch_plan(path: Path, plan: RunPlan, world_size: int, cells: tuple[Cell, ...]) -> None:

@@ -7,7 +7,8 @@ accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is 
      "optimizer": "sgd" | "adamw", "world_size": W,
      "layouts": {param name: {"kind": "flat", "unit", "flat_key", "offset", "shard_numel",
                               "aligned_numel", "world_size"} | {"kind": "dim0", "rows", "chunk_rows", "world_size"}
-                             | {"kind": "replicated"}},
+                             | {"kind": "replicated"}},   # right after wrapping; validated: harness/judge/layouts.py
+     "padding": {"params": "zero" | "unspecified", "grads": ...},  # the adapter's declared convention
      "init": {"params": {name: tensor}},             # full parameters right after wrapping
      "steps": [{"step": t (1-based),
                 "loss": (W,) tensor,                   # each rank's local loss
@@ -16,6 +17,7 @@ accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is 
                 "shards": {key: (W, shard_numel)},     # raw local shards (padding included)
                 "shard_grads": {key: (W, shard_numel)},
                 "padding_intervals": {key: [[[start, end], ...] per rank]},  # shard-local
+                "layouts": {...},                      # as above, this step's (resharding changes them)
                 "replicas": {"names": [param names, then "<name> (grad)"],
                              "digests": (W, len(names)) int64},  # 52-bit digest per rank
                 "shadow": {"loss": (W,) tensor,              # each rank's replayed local loss

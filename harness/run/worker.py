@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from harness.adapters.features import apply_activation_checkpointing
 from harness.adapters.base import Adapter, RankContext, RawShard
 from harness.adapters.registry import resolve_impl
 from harness.run.plan import Cell
-from harness.judge.shadow import Shadow, forward_backward
+from harness.judge.shadow import Shadow
 from harness.run.snapshot import FORMAT, complete_path, load_state, save_snapshot, snapshot_path, write_atomic_text
 from harness.judge.tolerance import NUM_PERTURBED_RUNS
 
@@ -90,7 +91,7 @@ def _check_refused_wrap(case: Case, adapter: Adapter, ctx: RankContext) -> None:
     """Wrapping the case's refused paths as separate units must raise a clear ValueError."""
     model = case.build_model()
     try:
-        adapter.wrap(model, case.features.refused_wrap, ctx, frozenset())
+        adapter.wrap(model, case.features.refused_wrap, replace(ctx, features=PLAIN, faults=frozenset()))
     except ValueError as e:
         if "fully_shard" not in str(e):
             raise RuntimeError(f"rank {ctx.rank}: refusal of {case.features.refused_wrap} lacks a clear message: {e}")
@@ -99,7 +100,7 @@ def _check_refused_wrap(case: Case, adapter: Adapter, ctx: RankContext) -> None:
                        f"units was accepted; a parameter tied across units must be refused")
 
 
-def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, cell: Cell, init_state) -> nn.Module:
+def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, init_state) -> nn.Module:
     features = case.features
     if features.meta_init:
         with torch.device("meta"):
@@ -109,21 +110,10 @@ def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, cell: Cell, i
         model.load_state_dict(init_state)
         model.to(ctx.device)
     apply_activation_checkpointing(model, features.activation_checkpointing)
-    if features == PLAIN:
-        wrapped = adapter.wrap(model, case.wrap, ctx, frozenset(cell.faults))
-    else:
-        wrapped = adapter.wrap(model, case.wrap, ctx, frozenset(cell.faults), features)
+    wrapped = adapter.wrap(model, case.wrap, ctx)
     if features.meta_init:
         adapter.materialize(wrapped, init_state, ctx.device)
     return wrapped
-
-
-def _backward(case: Case, wrapped: nn.Module, inputs, targets) -> torch.Tensor:
-    """One step's forward and backward; with grad_accum, gradient sync only on the last micro-batch."""
-    num_micro = case.features.grad_accum
-    set_sync = getattr(wrapped, "set_requires_gradient_sync", None)  # the plain model has nothing to sync
-    before = (lambda i: set_sync(i == num_micro - 1)) if set_sync is not None and num_micro > 1 else None
-    return forward_backward(wrapped, case.loss_fn, inputs, targets, num_micro, before_micro=before)
 
 
 def digest(t: torch.Tensor) -> int:
@@ -138,39 +128,35 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     features = case.features
     adapter: Adapter = resolve_impl(cell.impl)
     ctx = world if adapter.needs_process_group else RankContext(0, 1, None, world.device)
-    if features.refused_wrap and getattr(adapter, "refuses_cross_unit_ties", False):
+    ctx = replace(ctx, features=features, faults=frozenset(cell.faults))
+    if features.refused_wrap and adapter.refuses_cross_unit_ties:
         _check_refused_wrap(case, adapter, ctx)
     plain = case.build_model()
     names = [n for n, _ in plain.named_parameters()]
     grad_names = [n for n, p in plain.named_parameters() if p.requires_grad]
-    wrapped: nn.Module = _build_wrapped(case, adapter, ctx, cell, init_state)
-    build_optimizer = getattr(adapter, "build_optimizer", None)
-    optim = build_optimizer(wrapped, spec, features) if build_optimizer else spec.build(wrapped.parameters())
+    wrapped: nn.Module = _build_wrapped(case, adapter, ctx, init_state)
+    optim = adapter.make_optimizer(wrapped, spec, features)
     is_writer = world.rank == 0
     shadow = Shadow(case, spec, init_state, ctx.device) if is_writer else None
-    reshard_steps = features.checkpoint_reshard_at if hasattr(adapter, "reshard_checkpoint") else ()
+    reshard_steps = features.checkpoint_reshard_at if adapter.reshards_checkpoints else ()
 
+    layouts = adapter.layouts(wrapped)  # after make_optimizer: an engine may shard only then
     init_params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
     steps, params_before = [], init_params
     for step in range(1, cell.steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = (t.to(ctx.device) for t in local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size))
-        optim.zero_grad(set_to_none=True)
-        loss = _backward(case, wrapped, inputs, targets)
+        adapter.zero_grad(wrapped, optim)
+        loss = adapter.forward_backward(wrapped, case.loss_fn, inputs, targets, features.grad_accum)
         grads = _pick(adapter.full_grads(wrapped), grad_names, "full_grads", ctx, cell)
-        if features.clip_norm_type is not None:
-            clip = getattr(adapter, "clip_grad_norm", None)
-            if clip is not None:
-                clip(wrapped, features.clip_max_norm, features.clip_norm_type)
-            else:
-                torch.nn.utils.clip_grad_norm_(wrapped.parameters(), features.clip_max_norm, features.clip_norm_type)
-        optim.step()
+        adapter.optimizer_step(wrapped, optim, features)
         params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
         # Every rank's full parameters and gradients, digested: replicas must agree bitwise.
         digests = [digest(params[n]) for n in names] + [digest(grads[n]) for n in grad_names]
         losses, replica_digests, shards, shard_grads, padding_intervals = _gather_step_evidence(
             loss, adapter.raw_shards(wrapped), digests, ctx)
         record = {"step": step, "loss": losses, "grads": grads, "params": params, "shards": shards,
+                  "layouts": adapter.layouts(wrapped),
                   "shard_grads": shard_grads, "padding_intervals": padding_intervals,
                   "replicas": {"names": names + [f"{n} (grad)" for n in grad_names], "digests": replica_digests}}
         if shadow is not None:
@@ -192,7 +178,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         "cell": cell.to_json(),
         "optimizer": spec.kind,
         "world_size": ctx.world_size,
-        "layouts": adapter.layouts(wrapped),
+        "layouts": layouts,
+        "padding": {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
         "init": {"params": init_params},
         "steps": steps,
     }

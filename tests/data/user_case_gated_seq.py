@@ -49,11 +49,13 @@ def make_case() -> Case:
 
 
 # A user's adapter with a planted bug: ours, except every reduced gradient is 1e-5 too large.
+from dataclasses import replace  # noqa: E402
+
 from harness.adapters import Ours  # noqa: E402
 
 
 class ScaledGradients(Ours):
     name = "scaled_gradients"
 
-    def wrap(self, model, wrap_paths, ctx, faults, *features):
-        return super().wrap(model, wrap_paths, ctx, faults | {"grad_scale_1e-5"}, *features)
+    def wrap(self, model, wrap_paths, ctx):
+        return super().wrap(model, wrap_paths, replace(ctx, faults=ctx.faults | {"grad_scale_1e-5"}))

@@ -1,0 +1,136 @@
+"""An adapter's layouts, checked against its own raw shards before anything is judged by them.
+
+[Note: Layout validation]
+`layouts` say where each parameter's elements live: a "flat" layout puts parameter `name` at
+[offset, offset + numel) of a padded flat buffer that is the raw shards of `world_size` ranks
+concatenated in rank order (`shard_numel` elements each; with more ranks than `world_size`, as in
+HSDP or NO_SHARD, every block of `world_size` consecutive ranks holds a replica). The judge names
+owning ranks from them and the padding check trusts the padding intervals next to them, so a wrong
+layout would name the wrong rank or let a parameter element pass as padding. Hence, at every step,
+with that step's layouts (a resharding checkpoint changes them mid-run):
+- the slice a flat layout names, in the first replica block, must equal the full parameter
+  bitwise (the parameters after the step and the raw shards after the step are the same state;
+  the replicas check compares the other replicas);
+- no padding interval of any rank may cover an element a layout assigns to a parameter;
+- "dim0" layouts must describe the parameter's rows; unknown kinds or names are refused.
+A violation raises LayoutError naming the parameter: the cell is an `error`, never judged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayoutError(ValueError):
+    """An adapter's layouts contradict its raw shards or the model (the cell is an error)."""
+
+
+KINDS = ("flat", "dim0", "replicated")
+
+
+def assemble_flat(layout: dict, rows: torch.Tensor, size: torch.Size) -> torch.Tensor:
+    """The parameter a flat layout names, read from `rows` (num_ranks, shard_numel) of the first
+    replica block (ranks 0 ... world_size - 1)."""
+    flat = rows[: int(layout["world_size"])].reshape(-1)
+    offset = int(layout["offset"])
+    return flat[offset : offset + size.numel()].view(size)
+
+
+def parameter_names(model) -> tuple[dict[str, torch.Size], dict[str, str]]:
+    """(size of every parameter name, tied names included; tied name -> the name evidence uses)."""
+    sizes, aliases, first = {}, {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        sizes[name] = p.shape
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return sizes, aliases
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _describe(name: str, layout: dict) -> str:
+    keys = ("flat_key", "offset", "shard_numel", "world_size") if layout.get("kind") == "flat" else tuple(layout)
+    return f"layout of '{name}' (" + ", ".join(f"{k}={layout.get(k)!r}" for k in keys) + ")"
+
+
+def check_layouts(snap: dict, sizes: dict[str, torch.Size], aliases: dict[str, str] | None = None) -> None:
+    """Raise LayoutError unless every layout of the snapshot agrees with its raw shards at every
+    step and with the model's parameter sizes. `sizes` include tied names; `aliases` maps each
+    tied name to the name its evidence is recorded under."""
+    num_ranks = int(snap["world_size"])
+    _check_names(snap.get("layouts"), sizes, num_ranks)
+    for rec in snap["steps"]:
+        layouts = rec.get("layouts", snap["layouts"])  # a resharding case changes them mid-run
+        _check_names(layouts, sizes, num_ranks, rec["step"])
+        _check_step(rec, layouts, sizes, num_ranks, aliases or {})
+
+
+def _check_names(layouts, sizes: dict[str, torch.Size], num_ranks: int, step: int = 0) -> None:
+    if not isinstance(layouts, dict):
+        raise LayoutError(f"step {step}: layouts is {type(layouts).__name__}, not a dict of parameter layouts")
+    for name, layout in layouts.items():
+        if name not in sizes:
+            raise LayoutError(f"layouts name '{name}', which is not a parameter of the model")
+        kind = layout.get("kind") if isinstance(layout, dict) else None
+        if kind not in KINDS:
+            raise LayoutError(f"layout of '{name}' has kind={kind!r}; known kinds: {list(KINDS)}")
+        if kind == "dim0":
+            rows = sizes[name][0] if len(sizes[name]) else 1
+            if layout["rows"] != rows or layout["chunk_rows"] * layout["world_size"] < rows:
+                raise LayoutError(f"{_describe(name, layout)} does not cover the parameter's {rows} rows")
+        if kind == "flat":
+            group = int(layout["world_size"])
+            if group < 1 or num_ranks % group:
+                raise LayoutError(f"{_describe(name, layout)}: world_size does not divide the {num_ranks} ranks")
+
+
+def _check_step(rec: dict, layouts: dict, sizes: dict[str, torch.Size], num_ranks: int,
+                aliases: dict[str, str]) -> None:
+    step = rec["step"]
+    claimed: dict[str, list[tuple[int, int, str]]] = {}  # flat key -> [start, end) of each parameter
+    for name, layout in layouts.items():
+        if layout["kind"] != "flat":
+            continue
+        key = layout["flat_key"]
+        rows = rec["shards"].get(key)
+        if rows is None:
+            raise LayoutError(f"step {step}: {_describe(name, layout)} names no raw shard; the shards are "
+                              f"{sorted(rec['shards'])[:4]}")
+        if rows.shape[1] != layout["shard_numel"]:
+            raise LayoutError(f"step {step}: {_describe(name, layout)} but the raw shards hold {rows.shape[1]} "
+                              f"elements per rank")
+        offset, numel, group = int(layout["offset"]), sizes[name].numel(), int(layout["world_size"])
+        if offset < 0 or offset + numel > group * rows.shape[1]:
+            raise LayoutError(f"step {step}: {_describe(name, layout)} reaches past the padded buffer of "
+                              f"{group * rows.shape[1]} elements (numel={numel})")
+        # Rank 0's full parameters are gathered from the first replica block; whether the other
+        # replicas agree is the replicas check's question, not the layout's.
+        full = rec["params"][aliases.get(name, name)]
+        piece = assemble_flat(layout, rows, sizes[name])
+        if not _same_bits(piece, full.to(piece.dtype)):
+            bad = (piece.reshape(-1) != full.reshape(-1).to(piece.dtype)).nonzero()
+            at = int(bad[0].item()) if bad.numel() else 0
+            raise LayoutError(
+                f"step {step}: {_describe(name, layout)} does not reproduce the full parameter from the raw "
+                f"shards of ranks 0..{group - 1}: element {at} is {piece.reshape(-1)[at].item()!r} in the shards, "
+                f"{full.reshape(-1)[at].item()!r} in full; fix the adapter's layouts()")
+        claimed.setdefault(key, []).append((offset, offset + numel, name))
+    for key, ranges in claimed.items():
+        intervals = rec["padding_intervals"].get(key, [])
+        shard_numel = rec["shards"][key].shape[1]
+        group = int(layouts[ranges[0][2]]["world_size"])
+        for rank, runs in enumerate(intervals):
+            base = (rank % group) * shard_numel
+            for start, end in runs:
+                for lo, hi, name in ranges:
+                    if base + start < hi and lo < base + end:
+                        raise LayoutError(
+                            f"step {step}: rank {rank}'s padding interval [{start}, {end}) of '{key}' covers "
+                            f"elements of '{name}' (padded-buffer range [{lo}, {hi})); fix the adapter's "
+                            f"layouts() or raw_shards() padding_intervals")
