@@ -102,7 +102,7 @@ class FSDP1(Adapter):
         for unit, handle in _handles(model):
             flat = handle.flat_param
             shard_numel, group_size = _shard_geometry(handle)
-            data = flat._local_shard if handle.uses_sharded_strategy else flat.data
+            data = _local_shard(flat) if handle.uses_sharded_strategy else flat.data
             rank = handle.rank if group_size > 1 else 0
             padded = _padding_runs(flat, shard_numel * group_size)
             lo, hi = rank * shard_numel, (rank + 1) * shard_numel
@@ -130,7 +130,13 @@ def _shard_geometry(handle) -> tuple[int, int]:
     flat = handle.flat_param
     if not handle.uses_sharded_strategy:
         return flat._unpadded_unsharded_size.numel(), 1
-    return flat._local_shard.numel(), handle.world_size
+    return _local_shard(flat).numel(), handle.world_size
+
+
+def _local_shard(flat) -> torch.Tensor:
+    # FSDP1 sets _local_shard at its lazy init (the first forward); before that the flat
+    # parameter's own data is this rank's shard.
+    return flat._local_shard if hasattr(flat, "_local_shard") else flat.data
 
 
 def _padding_runs(flat, padded_numel: int) -> list[tuple[int, int]]:
