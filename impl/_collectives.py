@@ -60,14 +60,21 @@ def reduce_scatter_sum(
     padded_unsharded: torch.Tensor,
     group: dist.ProcessGroup | None,
     stats: CommStats | None = None,
-) -> None:
-    """sharded_out <- this rank's shard of the elementwise sum over ranks of `padded_unsharded`."""
+    async_op: bool = False,
+) -> dist.Work | None:
+    """sharded_out <- this rank's shard of the elementwise sum over ranks of `padded_unsharded`.
+
+    async_op=True returns the work in flight (None when nothing is communicated); both tensors
+    must stay alive and untouched until it is waited on.
+    """
     if group is None:
         sharded_out.copy_(padded_unsharded)
-        return
-    _reduce_scatter_tensor(sharded_out, padded_unsharded, op=dist.ReduceOp.SUM, group=group)
+        return None
+    work = _reduce_scatter_tensor(sharded_out, padded_unsharded, op=dist.ReduceOp.SUM, group=group,
+                                  async_op=async_op)
     if stats is not None:
         stats.add("reduce_scatter", padded_unsharded)
+    return work
 
 
 def all_reduce_sum(

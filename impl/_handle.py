@@ -7,14 +7,24 @@ exists only between unshard() and reshard(); the original parameters are views i
 
 [Note: Views into the unsharded buffer]
 Each forward hands every owner of every parameter its own view of the unsharded buffer, made an
-autograd leaf (the buffer itself takes no part in autograd). A view's gradient is added into one
-padded unsharded gradient of the unit as soon as autograd has accumulated it (a post-accumulate-
-grad hook) and dropped at once, so a unit never holds more than its padded gradient plus the one
-parameter gradient in flight: a tied embedding and output head (two owners, two views) do not keep
-the head's gradient alive from the start of backward to the embedding's gradient at its end, nor
-a third tensor for their sum. When every view handed out has reported, the padded gradient is
-reduce-scattered and the unit reshards; views that get no gradient (unused parameters) are
-reduced by the root's end-of-backward callback.
+autograd leaf (the buffer itself takes no part in autograd). A view's gradient is taken from
+autograd as soon as it is accumulated (a post-accumulate-grad hook): the first one of a slot is
+kept as it is (autograd's own tensor, no copy), later ones (a tied parameter's other uses) are
+added into it and dropped at once, so a tied embedding and output head (two owners, two views)
+never hold two gradients nor a third tensor for their sum. When every view handed out has
+reported, the unit reshards, the slot gradients are packed into one padded gradient (each freed
+once copied) and reduce-scattered; views that get no gradient (unused parameters) are reduced by
+the root's end-of-backward callback. Nothing padded is allocated before the unit's last gradient:
+a root whose tied head gets its gradient at the start of backward holds that gradient alone, not
+a padded buffer beside it, until its embedding's gradient arrives at the end.
+
+[Note: Overlapped gradient reduction]
+A unit's reduce-scatter starts when its last gradient is in and is waited on when the next unit
+starts its own, or at the end of backward (the root's callback): the backend communicates while
+autograd computes the next unit's backward. At most one is in flight (shared through the root's
+GradReducer), so besides the unsharded gradient being accumulated a rank holds at most one more
+waiting for the network. The collective and its input are those of a blocking reduce-scatter,
+so the result is bitwise the same; averaging, padding and the add into .grad follow the wait.
 
 [Note: Releasing unsharded parameters]
 A unit's unsharded parameters are needed in backward only by ops that saved them in forward.
@@ -117,11 +127,11 @@ class FlatParamHandle:
         self._idle_refs: tuple[int, list[int]] | None = None  # reference counts with nothing saved
         self._refs_before_gather: int | None = None  # the fresh buffer's storage, before its gather
         self._owner_slots = [(module, attr, i) for i, owners in enumerate(slot_owners) for module, attr in owners]
-        self._padded_grad: torch.Tensor | None = None  # unsharded gradient, (padded_numel,)
-        self._slot_has_grad: list[bool] = []
+        self._slot_grads: list[torch.Tensor | None] = []  # unsharded gradient per slot, until reduced
         self._num_views_pending = 0  # gradient-tracking views handed out since the last reduce
         self._num_views_done = 0
         self._pending: tuple | None = None  # (work, input) of an all-gather in flight
+        self.reducer = GradReducer()  # the root's, shared by every unit under it, after its first forward
         self.sync_grads = True  # False: keep accumulating the unsharded gradient (no_sync)
 
     # -- layout -------------------------------------------------------------------------------
@@ -150,6 +160,11 @@ class FlatParamHandle:
         """The padded unsharded buffer of this iteration (its storage is empty while sharded);
         None at W = 1 without a cast, where the sharded parameter itself is computed with."""
         return None if self._aliased else self._leaf
+
+    @property
+    def gather_started(self) -> bool:
+        """Unsharded, or its all-gather in flight (a prefetch)."""
+        return self._pending is not None or self.state == HandleState.UNSHARDED
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -313,19 +328,16 @@ class FlatParamHandle:
 
     # -- gradients -----------------------------------------------------------------------------
     def _view_grad_ready(self, slot_index: int, view: torch.Tensor) -> None:
-        """Add one view's gradient into the padded unsharded gradient and drop it."""
-        grad, view.grad = view.grad, None
-        if self._padded_grad is None:
-            self._padded_grad = torch.zeros(self.layout.padded_numel, dtype=grad.dtype, device=grad.device)
-            self._slot_has_grad = [False] * len(self.layout.slots)
-        slot = self.layout.slots[slot_index]
-        target = self._padded_grad[slot.offset : slot.end].view(slot.size)
-        if self._slot_has_grad[slot_index]:
-            target.add_(grad)
-        else:  # the first contribution is copied, as autograd keeps the first gradient as is
-            target.copy_(grad)
-            self._slot_has_grad[slot_index] = True
-        del grad, target  # freed before the reduce-scatter below allocates
+        """Keep one view's gradient as its slot's, or add it into the slot's, and drop it."""
+        grad, view.grad = view.grad, None  # autograd holds no other reference to it
+        if not self._slot_grads:
+            self._slot_grads = [None] * len(self.layout.slots)
+        kept = self._slot_grads[slot_index]
+        if kept is None:
+            self._slot_grads[slot_index] = grad
+        else:
+            kept.add_(grad)
+        del grad, kept  # freed before the reduce-scatter below allocates
         self._num_views_done += 1
         if self._num_views_done == self._num_views_pending:
             self.finish_backward()
@@ -334,26 +346,48 @@ class FlatParamHandle:
             self.reshard()  # no backward op left needs the unsharded parameters
 
     def finish_backward(self) -> None:
-        """Reshard, then reduce the padded gradient (unless accumulating without sync); called
-        when every view handed out has its gradient, and by the root at the end of backward.
-        Resharding first frees the unsharded parameters, which no backward op needs any more,
-        before the reduce-scatter allocates."""
+        """Reshard, then start reducing the padded gradient (unless accumulating without sync);
+        called when every view handed out has its gradient, and by the root at the end of
+        backward. Resharding first frees the unsharded parameters, which no backward op needs any
+        more, before the reduce-scatter allocates ([Note: Overlapped gradient reduction])."""
         self._views = []  # the next forward hands out fresh leaves
         self._num_views_pending = self._num_views_done = 0
         self.recomputing = False
         self.reshard()
-        if self._padded_grad is not None and self.sync_grads:
-            padded_grad, self._padded_grad = self._padded_grad, None
-            self.accumulate_sharded_grad(self.reduce_grad(padded_grad))
+        if self.sync_grads and self.has_pending_unsharded_grad():
+            self.reducer.wait()  # before packing: two padded gradients never live side by side
+            self.reducer.start(self, self._pack_padded_grad())
 
-    def reduce_grad(self, padded_full_grad: torch.Tensor) -> torch.Tensor:
-        """Reduce-scatter (sum) then average: this rank's shard of the mean gradient."""
+    def _pack_padded_grad(self) -> torch.Tensor:
+        """The slot gradients in one padded unsharded gradient (zero where none came, and in the
+        padding); each slot gradient is freed once copied."""
+        slot_grads, self._slot_grads = self._slot_grads, []
+        sample = next(g for g in slot_grads if g is not None)
+        padded = torch.empty(self.layout.padded_numel, dtype=sample.dtype, device=sample.device)
+        del sample
+        zero_padding_(padded, self.layout.padding_intervals())
+        for i, slot in enumerate(self.layout.slots):
+            target = padded[slot.offset : slot.end].view(slot.size)
+            if slot_grads[i] is None:
+                target.zero_()
+            else:
+                target.copy_(slot_grads[i])
+                slot_grads[i] = None
+        return padded
+
+    def start_reduce(self, padded_full_grad: torch.Tensor) -> PendingReduce:
+        """Start the reduce-scatter (sum) of the padded gradient; finish_reduce() completes it."""
         c = self.comm
         grad = padded_full_grad
         if c.reduce_dtype is not None and grad.dtype != c.reduce_dtype:
             grad = grad.to(c.reduce_dtype)
         sharded_grad = grad.new_empty(self.layout.shard_numel)
-        reduce_scatter_sum(sharded_grad, grad, c.shard_group, c.stats)
+        work = reduce_scatter_sum(sharded_grad, grad, c.shard_group, c.stats, async_op=True)
+        return PendingReduce(self, work, grad, sharded_grad)
+
+    def finish_reduce(self, sharded_grad: torch.Tensor) -> None:
+        """Average the reduce-scattered sum and add it into the sharded parameter's .grad."""
+        c = self.comm
         if c.replicate_group is not None:
             all_reduce_sum(sharded_grad, c.replicate_group, c.stats)
         if "no_grad_average" not in c.faults and c.data_parallel_size > 1:
@@ -378,7 +412,7 @@ class FlatParamHandle:
                 sharded_grad[pad_start:pad_end] = 1.0
         else:
             zero_padding_(sharded_grad, padding)
-        return sharded_grad.to(device=self.sharded.device, dtype=self.sharded.dtype)
+        self.accumulate_sharded_grad(sharded_grad.to(device=self.sharded.device, dtype=self.sharded.dtype))
 
     def accumulate_sharded_grad(self, sharded_grad: torch.Tensor) -> None:
         param = self.sharded
@@ -396,7 +430,7 @@ class FlatParamHandle:
         zero_padding_(self.sharded.data, self.layout.local_padding_intervals(self.comm.shard_rank))
 
     def has_pending_unsharded_grad(self) -> bool:
-        return self._padded_grad is not None
+        return any(g is not None for g in self._slot_grads)
 
     # -- full tensors ----------------------------------------------------------------------------
     def gather_full(self, sharded: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -417,6 +451,43 @@ class FlatParamHandle:
 
     def local_shard_view(self, padded: torch.Tensor) -> torch.Tensor:
         return shard_of(padded, self.layout, self.comm.shard_rank)
+
+
+@dataclass
+class PendingReduce:
+    """A gradient reduce-scatter in flight and the tensors it needs until it completes."""
+
+    handle: FlatParamHandle
+    work: dist.Work | None  # None: nothing communicated (W_shard = 1), the output is ready
+    padded_grad: torch.Tensor | None  # the input, alive until the work completes
+    sharded_grad: torch.Tensor  # the output
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.padded_grad = None  # freed before the averaging below allocates
+        self.handle.finish_reduce(self.sharded_grad)
+
+
+class GradReducer:
+    """At most one gradient reduce-scatter in flight ([Note: Overlapped gradient reduction])."""
+
+    def __init__(self) -> None:
+        self._in_flight: PendingReduce | None = None
+
+    def start(self, handle: FlatParamHandle, padded_grad: torch.Tensor) -> None:
+        self.wait()
+        self._in_flight = handle.start_reduce(padded_grad)
+
+    @property
+    def in_flight(self) -> FlatParamHandle | None:
+        """The handle whose reduce-scatter is in flight, if any."""
+        return None if self._in_flight is None else self._in_flight.handle
+
+    def wait(self) -> None:
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            pending.finish()
 
 
 def _storage_refs(tensor: torch.Tensor) -> int:

@@ -3,10 +3,20 @@
 Forward:  pre-hook unshards (all-gather) and points the original names at views;
           post-hook reshards unless reshard_after_forward=False or this is the root, and
           registers a hook on the outputs that re-gathers before this unit's backward.
-Backward: each parameter view's post-accumulate-grad hook adds its gradient into the unit's
-          padded gradient; after the last one the unit reduce-scatters, averages and reshards
-          ([Note: Views into the unsharded buffer]). The root queues one callback at the end of
-          backward that finishes every unit some of whose views got no gradient.
+Backward: each parameter view's post-accumulate-grad hook keeps its gradient as its slot's (or
+          adds it into it); after the last one the unit reshards and starts its reduce-scatter
+          ([Note: Views into the unsharded buffer], [Note: Overlapped gradient reduction]). The
+          root queues one callback at the end of backward that finishes every unit some of whose
+          views got no gradient and waits for the last reduction.
+
+[Note: Implicit prefetch]
+Unless the user chose (set_modules_to_forward_prefetch / ..._backward_prefetch, [] for none),
+each unit starts one all-gather ahead: in forward, of the unit whose pre-forward followed its own
+in the previous forward; in backward, of the unit whose post-forward preceded its own in this
+forward (backward runs the units in reverse). The backend gathers while this unit computes, at
+the cost of one more unit unsharded. A guess that does not come true (control flow changed) only
+gathers early: a unit still gathers at its own pre-forward / pre-backward if it has not, and
+every unit is resharded at the end of backward.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
-from impl._handle import FlatParamHandle, HandleState
+from impl._handle import FlatParamHandle, GradReducer, HandleState
 
 
 class TrainingState(Enum):
@@ -46,8 +56,15 @@ class FSDPUnit:
         self.is_root: bool | None = None  # decided at the first forward
         self.all_units: list[FSDPUnit] = []  # the root's view of every unit below it
         self._finalize_queued = False
-        self.forward_prefetch: list[FSDPUnit] = []  # all-gathered async after this unit's pre-forward
-        self.backward_prefetch: list[FSDPUnit] = []  # ... after this unit's pre-backward
+        # All-gathered asynchronously after this unit's pre-forward / pre-backward: set by the
+        # user, or None for the implicit choice ([Note: Implicit prefetch]).
+        self.forward_prefetch: list[FSDPUnit] | None = None
+        self.backward_prefetch: list[FSDPUnit] | None = None
+        self._next_in_forward: FSDPUnit | None = None  # the unit whose pre-forward came next, last time
+        self._next_in_backward: FSDPUnit | None = None  # the unit whose post-forward came before this one's
+        self._last_pre_forward: FSDPUnit | None = None  # as a root: in the forward under way
+        self._last_post_forward: FSDPUnit | None = None  # as a root: in the forward under way
+        self.reducer = GradReducer()  # as a root: the gradient reductions of every unit below it
 
     # -- root ------------------------------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -83,6 +100,7 @@ class FSDPUnit:
             for handle in unit.handles:
                 handle.finish_backward()  # units whose views did not all get a gradient
             unit.training_state = TrainingState.IDLE
+        self.reducer.wait()  # every .grad complete before backward returns
         self._finalize_queued = False
 
     # -- forward -----------------------------------------------------------------------------------
@@ -92,17 +110,20 @@ class FSDPUnit:
             for unit in self.all_units:
                 if unit is not self:
                     unit.__dict__["_root"] = self
-        if not _in_backward():
+                for handle in unit.handles:
+                    handle.reducer = self.reducer
+        in_backward = _in_backward()
+        if not in_backward:
             self.training_state = TrainingState.FORWARD
+            self._record_pre_forward()
         for handle in self.handles:
             handle.check_materialized(self.name)
             if handle.state == HandleState.SHARDED:
                 handle.zero_sharded_padding_()
             handle.unshard()
             handle.use_views()
-        for unit in self.forward_prefetch:
-            for handle in unit.handles:
-                handle.unshard(async_op=True)
+        if not in_backward:
+            _prefetch(self.forward_prefetch, self._next_in_forward)
         if self.cast_inputs_to is not None:
             args, kwargs = _cast_floating((args, kwargs), self.cast_inputs_to)
         return args, kwargs
@@ -115,6 +136,9 @@ class FSDPUnit:
         if self.reshard_after_forward and not self.is_root:
             for handle in self.handles:
                 handle.reshard(for_backward_regather=True)
+        root = self if self.is_root else self._find_root()
+        if root is not None:
+            self._next_in_backward, root._last_post_forward = root._last_post_forward, self
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
@@ -138,14 +162,29 @@ class FSDPUnit:
         self.training_state = TrainingState.PRE_BACKWARD
         for handle in self.handles:
             handle.unshard()
-        for unit in self.backward_prefetch:
-            for handle in unit.handles:
-                handle.unshard(async_op=True)
+        _prefetch(self.backward_prefetch, self._next_in_backward)
+
+    def _record_pre_forward(self) -> None:
+        if self.is_root:  # a new forward: every unit of it comes after this one
+            self._last_pre_forward = self._last_post_forward = None
+        root = self if self.is_root else self._find_root()
+        if root is None:
+            return
+        if root._last_pre_forward is not None:
+            root._last_pre_forward._next_in_forward = self
+        root._last_pre_forward = self
 
     # -- FSDPModule methods ------------------------------------------------------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         for handle in self.handles:
             handle.sync_grads = requires_gradient_sync
+
+
+def _prefetch(chosen: list[FSDPUnit] | None, implicit: FSDPUnit | None) -> None:
+    """Start the all-gathers of the units the user chose, or else of the implicit one."""
+    for unit in chosen if chosen is not None else [implicit] if implicit is not None else []:
+        for handle in unit.handles:
+            handle.unshard(async_op=True)
 
 
 def _in_backward() -> bool:

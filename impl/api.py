@@ -51,11 +51,13 @@ class FSDPModule:
                 unit.set_requires_gradient_sync(requires_gradient_sync)
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
-        """All-gather these wrapped modules asynchronously right after this one's pre-forward."""
+        """All-gather these wrapped modules asynchronously right after this one's pre-forward,
+        instead of the implicit choice ([Note: Implicit prefetch] in impl/_unit.py; [] for none)."""
         self.fsdp_unit().forward_prefetch = [_unit_of(m, "set_modules_to_forward_prefetch") for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
-        """All-gather these wrapped modules asynchronously right after this one's pre-backward."""
+        """All-gather these wrapped modules asynchronously right after this one's pre-backward,
+        instead of the implicit choice ([Note: Implicit prefetch] in impl/_unit.py; [] for none)."""
         self.fsdp_unit().backward_prefetch = [_unit_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
     def unshard(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -83,8 +84,21 @@ def torchrun(world_size: int, args: list[str], threads: int, timeout_s: float, l
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
+    """Every measurement, then bench.json and bench.md in cfg.out_dir. The launches' own files
+    live in a temporary directory, removed after a run that succeeds and named by the error of
+    one that does not."""
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench-", dir=cfg.out_dir))
+    work = Path(tempfile.mkdtemp(prefix="harness-bench-"))
+    try:
+        result = _measure(cfg, work, progress)
+    except BenchError as e:
+        raise BenchError(f"{e}\n(launch logs kept in {work})") from e
+    shutil.rmtree(work, ignore_errors=True)
+    write_outputs(result, cfg.out_dir)
+    return result
+
+
+def _measure(cfg: BenchConfig, work: Path, progress) -> dict:
     result: dict = {"environment": environment(cfg), "speed": [], "memory": [], "medium": []}
     smoke = ["--iters", "1", "--warmup", "0", "--smoke"] if cfg.smoke else ["--iters", str(cfg.iters)]
     for w in cfg.speed_world_sizes:
@@ -103,7 +117,6 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
     if cfg.throughput and not cfg.smoke:
         progress("bench: harness throughput (batched matrix vs bare launches vs one launch per cell)")
         result["throughput"] = harness_throughput(cfg, work)
-    write_outputs(result, cfg.out_dir)
     return result
 
 
@@ -261,16 +274,17 @@ def render_markdown(result: dict) -> str:
     if medium:
         lines += ["", f"## GPT-2-medium-shaped model ({medium[0]['model']}, {medium[0]['num_params'] / 1e6:.1f}M "
                   "parameters, AdamW, fp32, built on meta), ours, next to the seeds' figures", ""]
+        by_w = {r["world_size"]: r["ours"] for r in medium}
         rows = []
         for r in medium:
             w = r["world_size"]
+            shrink = f"{by_w[1]['peak_bytes'] / r['ours']['peak_bytes']:.2f}x" if 1 in by_w else ""
             rows.append([w, _mb(r["ours"]["sharded_param_bytes"]), _mb(r["ideal_bytes"]), _mb(r["ours"]["peak_bytes"]),
-                         f"{r['ours']['peak_ratio_vs_ideal']:.3f}", _mb(r["ours"]["init_peak_bytes"]),
+                         f"{r['ours']['peak_ratio_vs_ideal']:.3f}", shrink, _mb(r["ours"]["init_peak_bytes"]),
                          _mb(r["ours"]["peak_rss_growth_bytes"]), SEED_PARAM_MB.get(w, ""), SEED_PEAK_MB.get(w, "")])
         lines.append(tabulate(rows, headers=["W", "params MiB", "ideal MiB", "peak MiB", "peak / ideal",
-                                             "init peak MiB", "RSS growth MiB", "seeds: params MB",
-                                             "seeds: peak MB"], tablefmt="github"))
-        by_w = {r["world_size"]: r["ours"] for r in medium}
+                                             "W=1 peak / peak", "init peak MiB", "RSS growth MiB",
+                                             "seeds: params MB", "seeds: peak MB"], tablefmt="github"))
         if 1 in by_w and 8 in by_w:
             lines += ["", f"Per-rank peak W = 1 / W = 8: {by_w[1]['peak_bytes'] / by_w[8]['peak_bytes']:.2f}x "
                       f"(parameters {by_w[1]['sharded_param_bytes'] / by_w[8]['sharded_param_bytes']:.2f}x; the seeds: "
