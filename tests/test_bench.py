@@ -39,6 +39,8 @@ def test_bench_smoke_writes_every_figure(tmp_path):
         assert ours["peak_by_category"]["optimizer state"] == 2 * params + 4 * ours["num_flat_params"], m
         assert ours["sharded_param_bytes"] == ours["peak_by_category"]["parameters"], m
         assert ours["init_peak_bytes"] >= ours["sharded_param_bytes"], m
+        # The RSS of ours measured again with an allocator that returns frees (a second launch).
+        assert ours["peak_rss_growth_returning_bytes"] > 0, m
     assert "step_time_ratio_vs_fsdp2" in (tmp_path / "bench.md").read_text()
 
 

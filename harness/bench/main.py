@@ -56,11 +56,13 @@ class BenchError(RuntimeError):
     pass
 
 
-def torchrun(world_size: int, args: list[str], threads: int, timeout_s: float, log: Path) -> float:
+def torchrun(world_size: int, args: list[str], threads: int, timeout_s: float, log: Path,
+             extra_env: dict[str, str] | None = None) -> float:
     """Run `python -m <args>` in `world_size` ranks; return wall seconds; raise on failure."""
     launch_id = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               **(extra_env or {}))
     env[LAUNCH_ID_VAR] = launch_id
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={world_size}",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", *args]
@@ -110,7 +112,7 @@ def _measure(cfg: BenchConfig, work: Path, progress) -> dict:
     config = "smoke" if cfg.smoke else "gpt2-small"
     for w in cfg.memory_world_sizes:
         progress(f"bench: live-tensor memory of the {config}-shaped model, plain / ours / fsdp2, W={w}")
-        result["memory"].append(memory_row(cfg, work, config, w, ("ours", "fsdp2")))
+        result["memory"].append(memory_row(cfg, work, config, w, ("ours", "fsdp2"), rss_returning_impls=("ours",)))
     for w in () if cfg.smoke else cfg.medium_world_sizes:
         progress(f"bench: live-tensor memory of the gpt2-medium-shaped model, plain / ours, W={w}")
         result["medium"].append(memory_row(cfg, work, "gpt2-medium", w, ("ours",)))
@@ -120,22 +122,31 @@ def _measure(cfg: BenchConfig, work: Path, progress) -> dict:
     return result
 
 
+# glibc serves allocations below a threshold it raises up to 32 MiB as blocks are freed from its
+# heap, where freed memory stays resident; at a fixed 128 KiB every larger block is mapped on its
+# own and unmapped when freed, so RSS follows live tensors (the RSS columns of bench.md).
+RETURNING_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 def _memory_launch(cfg: BenchConfig, work: Path, config: str, impl: str, world_size: int,
-                   as_world_size: int = 1) -> list[dict]:
-    out = work / f"memory_{config}_{impl}_w{world_size}_as{as_world_size}.json"
+                   as_world_size: int = 1, extra_env: dict[str, str] | None = None) -> list[dict]:
+    tag = "_mmap" if extra_env else ""
+    out = work / f"memory_{config}_{impl}_w{world_size}_as{as_world_size}{tag}.json"
     torchrun(world_size, ["harness.bench.worker", "memory", "--out", str(out), "--threads", str(cfg.threads),
                           "--impl", impl, "--config", config, "--as-world-size", str(as_world_size)],
-             cfg.threads, cfg.timeout_s, out.with_suffix(".log"))
+             cfg.threads, cfg.timeout_s, out.with_suffix(".log"), extra_env)
     return json.loads(out.read_text())["ranks"]
 
 
-def memory_row(cfg: BenchConfig, work: Path, config: str, world_size: int, impls: tuple[str, ...]) -> dict:
+def memory_row(cfg: BenchConfig, work: Path, config: str, world_size: int, impls: tuple[str, ...],
+               rss_returning_impls: tuple[str, ...] = ()) -> dict:
     """One world size: the ideal from the plain model, then each implementation's peak per rank.
 
     ideal = max over the plain model's step (on this W's per-rank batch) of live bytes with
     parameters, gradients and optimizer state divided by W, plus (W > 1) one unit unsharded: its
     parameters and its gradient, for the largest unit. Each launch runs alone: two implementations
-    never share the machine's memory.
+    never share the machine's memory. The implementations in `rss_returning_impls` run once more
+    with an allocator that returns freed blocks (RETURNING_ALLOCATOR_ENV), for their RSS only.
     """
     (plain,) = _memory_launch(cfg, work, config, "plain", 1, as_world_size=world_size)
     row = {"world_size": world_size, "config": config, "model": plain["model"], "num_params": plain["num_params"],
@@ -153,6 +164,9 @@ def memory_row(cfg: BenchConfig, work: Path, config: str, world_size: int, impls
             "sharded_param_bytes": max(r["sharded_param_bytes"] for r in ranks),
             "peak_rss_growth_bytes": max(r["peak_rss_growth_bytes"] for r in ranks),
         }
+        if name in rss_returning_impls:
+            returning = _memory_launch(cfg, work, config, name, world_size, extra_env=RETURNING_ALLOCATOR_ENV)
+            row[name]["peak_rss_growth_returning_bytes"] = max(r["peak_rss_growth_bytes"] for r in returning)
         if name == "ours":
             row["largest_unit_bytes"] = ranks[0]["largest_unit_bytes"]
             row["ours"]["padded_numel"] = ranks[0]["padded_numel"]
@@ -264,10 +278,12 @@ def render_markdown(result: dict) -> str:
             rows.append([r["world_size"], _mb(r["ideal_bytes"]), _mb(r["ours"]["peak_bytes"]),
                          f"{r['ours']['peak_ratio_vs_ideal']:.3f}", _mb(r["fsdp2"]["peak_bytes"]),
                          f"{r['fsdp2']['peak_ratio_vs_ideal']:.3f}", _mb(r["ours"]["init_peak_bytes"]),
-                         _mb(r["ours"]["peak_rss_growth_bytes"]), _mb(r["fsdp2"]["peak_rss_growth_bytes"])])
+                         _mb(r["ours"]["peak_rss_growth_bytes"]), _mb(r["ours"]["peak_rss_growth_returning_bytes"]),
+                         _mb(r["fsdp2"]["peak_rss_growth_bytes"])])
         lines.append(tabulate(rows, headers=["W", "ideal MiB", "ours peak MiB", "ours peak / ideal", "fsdp2 peak MiB",
                                              "fsdp2 peak / ideal", "ours init peak MiB", "ours RSS growth MiB",
-                                             "fsdp2 RSS growth MiB"], tablefmt="github"))
+                                             "ours RSS growth, frees returned MiB", "fsdp2 RSS growth MiB"],
+                              tablefmt="github"))
         lines += ["", "Where each peak is (the rank with the highest peak; bytes live at that instant by category):",
                   "", *_categories_markdown(memory, ("ours", "fsdp2"))]
     medium = result.get("medium", [])
@@ -299,9 +315,11 @@ def render_markdown(result: dict) -> str:
                   "gradients and optimizer state divided by W, plus (W > 1) the largest unit's parameters and "
                   "gradient unsharded. Init peak = live bytes while the meta-built model is materialised. RSS "
                   "growth = the process's resident-set high-water mark minus its size before the model was "
-                  "built: live tensors plus what the allocator keeps after frees (glibc malloc rarely returns "
-                  "freed memory to the OS), plus the warm-up step's peak, so it is an upper bound that does not "
-                  "fall with W the way live tensors do."]
+                  "built, the warm-up step included: live tensors, non-tensor memory (gloo, Python objects) and what "
+                  "glibc keeps resident after frees (it serves blocks of up to 32 MiB from its heap once such "
+                  "blocks have been freed, and freed heap memory stays resident). 'Frees returned' is the same "
+                  "launch again with MALLOC_MMAP_THRESHOLD_=131072 (every block above 128 KiB mapped on its own "
+                  "and unmapped at free): what remains above the live-tensor peak is the non-tensor memory."]
     t = result.get("throughput")
     if t:
         lines += ["", "## Harness throughput", "",

@@ -3,8 +3,9 @@
   speed:  ours vs torch FSDP2 on the same model, data and world size, steps interleaved
           (ours, fsdp2, ours, ...) so machine noise hits both; collective bytes per step counted
           at the c10d ops for both with one dispatch-mode counter.
-  memory: a GPT-2-small-shaped model built on meta and materialised per unit; per-rank sharded
-          state bytes, activation bytes (tensors saved for backward) and peak RSS growth.
+  memory: a GPT-2-shaped model built on meta and materialised (ours: unit by unit); live-tensor
+          bytes through init and through one training step by category (live_memory.py), the
+          sharded parameter bytes and the peak RSS growth, per rank; impl=plain gives the ideal.
 """
 
 from __future__ import annotations
