@@ -1,5 +1,5 @@
 """Real architectures of the field, built from Hugging Face `transformers` configs with random
-weights (nothing is downloaded): GPT-2 (learned positions, input and output embedding tied),
+weights (nothing is downloaded), used as they come: keyword inputs in, a CausalLMOutput out. GPT-2 (learned positions, input and output embedding tied),
 Llama (RoPE, RMSNorm, grouped-query attention, SwiGLU) and Mixtral (a router sending each token to
 2 of 4 experts, so some experts get no token of some ranks' batches). Sizes are small enough for
 8 ranks on 2 CPU cores; the shapes are the real modules'.
@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+from cases.data import token_batch
 
 # Heads of 8, 2 layers, a vocabulary and a sequence length of 16 and 32: every parameter kind of
 # the architecture, and flat parameters that need padding at W = 8.
 VOCAB, SEQ = 61, 16
 COMMON = dict(vocab_size=VOCAB, num_hidden_layers=2, hidden_size=32, num_attention_heads=4)
+_TOKENS = token_batch(VOCAB, SEQ)
 
 
 def _transformers():
@@ -29,33 +33,18 @@ def _transformers():
     return transformers
 
 
-class CausalLMLogits(nn.Module):
-    """A causal LM as a tensor -> tensor module: input ids (B, T) -> logits (B, T, V). No cache,
-    no dropout (the configs set every dropout to 0), eager attention: the same kernels on the
-    same shapes give the same bits in every rank and in the replay."""
-
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, use_cache=False).logits
-
-
 def gpt2() -> nn.Module:
     t = _transformers()
     config = t.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
                           embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
-    config._attn_implementation = "eager"
-    return CausalLMLogits(t.GPT2LMHeadModel(config))
+    return _eager(t.GPT2LMHeadModel, config)
 
 
 def llama() -> nn.Module:
     t = _transformers()
     config = t.LlamaConfig(**COMMON, intermediate_size=48, num_key_value_heads=2, max_position_embeddings=SEQ,
                            attention_dropout=0.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-    config._attn_implementation = "eager"
-    return CausalLMLogits(t.LlamaForCausalLM(config))
+    return _eager(t.LlamaForCausalLM, config)
 
 
 def mixtral() -> nn.Module:
@@ -63,12 +52,36 @@ def mixtral() -> nn.Module:
     config = t.MixtralConfig(**COMMON, intermediate_size=24, num_key_value_heads=2, max_position_embeddings=SEQ,
                              num_local_experts=4, num_experts_per_tok=2, attention_dropout=0.0,
                              router_jitter_noise=0.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    return _eager(t.MixtralForCausalLM, config)
+
+
+def _eager(model_class, config) -> nn.Module:
+    """No dropout (the configs set every dropout to 0), eager attention: the same kernels on the
+    same shapes give the same bits in every rank and in the replay."""
     config._attn_implementation = "eager"
-    return CausalLMLogits(t.MixtralForCausalLM(config))
+    return model_class(config)
 
 
-GPT2_WRAP = ("lm.transformer.h.0", "lm.transformer.h.1")
-DECODER_WRAP = ("lm.model.layers.0", "lm.model.layers.1")
+# The decoder blocks, chosen by class name: a wrap policy, because the classes live in the optional
+# transformers package, which the catalog does not import.
+_BLOCK_CLASSES = ("GPT2Block", "LlamaDecoderLayer", "MixtralDecoderLayer")
+
+
+def decoder_blocks(fqn: str, module: nn.Module) -> bool:
+    return type(module).__name__ in _BLOCK_CLASSES
+
+
+def causal_lm_batch(seed: int, step: int, global_batch: int):
+    """({'input_ids': (B, T), 'use_cache': False}, next-token targets (B, T)): the inputs reach the
+    model as keyword arguments; use_cache, not a tensor, reaches every rank unchanged."""
+    input_ids, targets = _TOKENS(seed, step, global_batch)
+    return {"input_ids": input_ids, "use_cache": False}, targets
+
+
+def causal_lm_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of a Hugging Face CausalLMOutput's logits (B, T, V)."""
+    logits = outputs.logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 class SmallConvNet(nn.Module):

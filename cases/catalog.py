@@ -1,117 +1,19 @@
-"""The case catalog: frozen, validated descriptions of what a harness cell trains.
-
-A case names a model factory, the sub-modules wrapped (in order) before the root, a data
-generator, a loss, the optimizers it is trained with, and which world sizes and data modes make
-sense for it. It imports torch and cases/ only: the harness decides how to run it.
-"""
+"""The case catalog: the built-in cases, and how a case is found by name (a catalog name, or a
+user's 'module:attr' / 'file.py:attr'). The Case API itself is cases/case.py, re-exported here:
+`from cases.catalog import Case, OptimizerSpec, ParamGroup` is what a user's file writes."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from cases import architectures as arch
-from cases.data import DATA_MODES, Batch, image_batch, regression_batch, token_batch
-from cases.features import PLAIN, Features
+from cases.case import Case, OptimizerSpec, ParamGroup  # noqa: F401 (ParamGroup: re-exported for users)
+from cases.data import image_batch, regression_batch, token_batch
+from cases.features import Features
 from cases.models import MLP, Block, TransformerConfig, TransformerLM, lm_loss
-
-OPTIMIZER_KINDS = ("sgd", "adamw")
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """One optimizer configuration. foreach=False: the per-tensor loop applies the same
-    elementwise arithmetic to a flat shard as to the full tensor (see docs/error_model.md)."""
-
-    kind: str
-    lr: float
-    momentum: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in OPTIMIZER_KINDS:
-            raise ValueError(f"OptimizerSpec kind={self.kind!r} is not one of {OPTIMIZER_KINDS}")
-        if not self.lr > 0:
-            raise ValueError(f"OptimizerSpec kind={self.kind} lr={self.lr} must be > 0")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"OptimizerSpec kind={self.kind} momentum={self.momentum} must be in [0, 1)")
-        if self.kind == "adamw" and not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1 and self.eps > 0):
-            raise ValueError(f"OptimizerSpec adamw betas={self.betas} eps={self.eps} out of range")
-
-    @property
-    def name(self) -> str:
-        return self.kind
-
-    def build(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-        if self.kind == "sgd":
-            return torch.optim.SGD(
-                params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, foreach=False
-            )
-        return torch.optim.AdamW(
-            params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, foreach=False
-        )
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    description: str
-    build_model: Callable[[], nn.Module]
-    wrap: tuple[str, ...]  # sub-module paths wrapped before the root, in this order
-    make_batch: Callable[[int, int, int], Batch]  # (seed, step, global_batch) -> (inputs, targets)
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a mean over every term
-    optimizers: tuple[OptimizerSpec, ...]
-    steps: int = 5
-    global_batch: int = 8
-    data_modes: tuple[str, ...] = DATA_MODES
-    world_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    seed: int = 0
-    tags: tuple[str, ...] = field(default_factory=tuple)
-    features: Features = PLAIN  # the FSDP features the cell turns on (cases/features.py)
-    # Data modes the case refuses, each with the reason a user is told (the plan exits 2 with it).
-    refused_modes: tuple[tuple[str, str], ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("_", "").isalnum():
-            raise ValueError(f"Case name={self.name!r} must be a non-empty identifier")
-        if not self.optimizers:
-            raise ValueError(f"case={self.name}: needs at least one optimizer")
-        kinds = [o.kind for o in self.optimizers]
-        if len(set(kinds)) != len(kinds):
-            raise ValueError(f"case={self.name}: optimizer kinds {kinds} must be distinct")
-        for name, value in (("steps", self.steps), ("global_batch", self.global_batch)):
-            if value < 1:
-                raise ValueError(f"case={self.name}: {name}={value} must be >= 1")
-        refused = {mode for mode, _ in self.refused_modes}
-        if refused & set(self.data_modes) or refused - set(DATA_MODES):
-            raise ValueError(f"case={self.name}: refused_modes {sorted(refused)} must be data modes it does not run")
-        bad_modes = sorted(set(self.data_modes) - set(DATA_MODES))
-        if bad_modes or not self.data_modes:
-            raise ValueError(f"case={self.name}: data_modes={self.data_modes} must be a non-empty subset of {DATA_MODES}")
-        if not self.world_sizes or min(self.world_sizes) < 1:
-            raise ValueError(f"case={self.name}: world_sizes={self.world_sizes} must all be >= 1")
-        if "split" in self.data_modes:
-            per = self.features.batch_divisor()
-            bad = [w for w in self.world_sizes if self.global_batch % (w * per)]
-            if bad:
-                raise ValueError(
-                    f"case={self.name}: global_batch={self.global_batch} does not divide by "
-                    f"world sizes {bad} x grad_accum={per} allowed in split mode"
-                )
-
-    def optimizer(self, kind: str) -> OptimizerSpec:
-        for spec in self.optimizers:
-            if spec.kind == kind:
-                return spec
-        raise ValueError(f"case={self.name}: no optimizer kind={kind!r}; has {[o.kind for o in self.optimizers]}")
-
 
 _STANDARD_OPTIMIZERS = (
     OptimizerSpec("sgd", lr=0.05, momentum=0.9),
@@ -244,9 +146,9 @@ CASES.update({case.name: case for case in _FEATURE_CASES})
 
 
 # -- real architectures (cases/architectures.py; needs the `models` extra) -------------------------
-def _hf_case(name: str, description: str, build, wrap: tuple[str, ...]) -> Case:
-    return Case(name=name, description=description, build_model=build, wrap=wrap,
-                make_batch=token_batch(arch.VOCAB, arch.SEQ), loss_fn=lm_loss, optimizers=_STANDARD_OPTIMIZERS,
+def _hf_case(name: str, description: str, build) -> Case:
+    return Case(name=name, description=description, build_model=build, wrap=arch.decoder_blocks,
+                make_batch=arch.causal_lm_batch, loss_fn=arch.causal_lm_loss, optimizers=_STANDARD_OPTIMIZERS,
                 tags=("architecture",))
 
 
@@ -256,11 +158,11 @@ _BATCHNORM_SPLIT = (
     "nn.SyncBatchNorm in your own model")
 _ARCHITECTURE_CASES = (
     _hf_case("gpt2", "Hugging Face GPT-2: learned positions, token embedding tied to the output head (the "
-             "seeds' model), 2 blocks wrapped", arch.gpt2, arch.GPT2_WRAP),
+             "seeds' model), 2 blocks wrapped", arch.gpt2),
     _hf_case("llama", "Hugging Face Llama: RoPE, RMSNorm, grouped-query attention (4 heads, 2 KV heads), "
-             "SwiGLU, 2 decoder layers wrapped", arch.llama, arch.DECODER_WRAP),
+             "SwiGLU, 2 decoder layers wrapped", arch.llama),
     _hf_case("moe", "Hugging Face Mixtral: a router sends each token to 2 of 4 experts (some experts get "
-             "no token of a rank's batch), 2 decoder layers wrapped", arch.mixtral, arch.DECODER_WRAP),
+             "no token of a rank's batch), 2 decoder layers wrapped", arch.mixtral),
     Case(name="batchnorm", description="ConvNet with BatchNorm2d (batch statistics, running buffers); "
          "identical data only: " + _BATCHNORM_SPLIT.split(", so")[0], build_model=arch.SmallConvNet,
          wrap=("block1", "block2"), make_batch=image_batch(3, 6, 5), loss_fn=F.cross_entropy,

@@ -1,18 +1,27 @@
-"""Deterministic global batches, and how a data mode hands them to ranks.
+"""Deterministic global batches, how a data mode hands them to ranks, and how a batch meets a model.
 
 Every rank regenerates the same global batch from (seed, step) with its own generator, so no
 rank depends on another's random-number state and no process-global seed is touched.
+
+A batch is `(inputs, targets)`, each any pytree of tensors (a tensor, tuple, list, dict) whose
+tensors all have the sample along dim 0; leaves that are not tensors (None, flags) are handed to
+every rank and micro-batch unchanged. The model is called with `inputs` as one argument (a
+tensor), as positional arguments (a tuple or list) or as keyword arguments (a dict): see
+`call_model`. The loss function receives the model's output (any pytree: a tensor, tuple, dict,
+a Hugging Face ModelOutput) and `targets`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 DATA_MODES = ("identical", "split")
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), dim 0 is the sample
+Batch = tuple[Any, Any]  # (inputs, targets): pytrees of tensors, dim 0 is the sample
 
 
 def _generator(seed: int, step: int) -> torch.Generator:
@@ -53,22 +62,62 @@ def image_batch(channels: int, size: int, classes: int) -> Callable[[int, int, i
     return make
 
 
+def batch_size(batch: Batch) -> int:
+    """The number of samples: dim 0 of every tensor of the batch, which must agree."""
+    sizes = {t.size(0) if t.dim() else None for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)}
+    if len(sizes) != 1 or None in sizes:
+        shapes = [tuple(t.shape) for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+        raise ValueError(f"batch tensors of shapes {shapes[:6]} do not share one dim 0 (the sample); "
+                         f"every tensor of (inputs, targets) must have the batch along dim 0")
+    return sizes.pop()
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+    """`tree` with every tensor replaced by fn(tensor); other leaves kept."""
+    return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
+    """Samples [start, stop) of every tensor of the batch."""
+    return map_tensors(lambda t: t[start:stop], batch)
+
+
+def micro_batches(batch: Batch, num_micro: int) -> list[Batch]:
+    """`num_micro` equal consecutive chunks of a local batch (Features.batch_divisor checks they divide)."""
+    size = batch_size(batch)
+    if size % num_micro:
+        raise ValueError(f"local batch of {size} samples does not split into {num_micro} micro-batches")
+    per = size // num_micro
+    return [slice_batch(batch, i * per, (i + 1) * per) for i in range(num_micro)]
+
+
 def local_batch(batch: Batch, data_mode: str, rank: int, world_size: int) -> Batch:
     """This rank's part of the global batch.
 
     identical: every rank gets the whole batch (the averaged gradient is the full-batch gradient).
-    split: rank r gets rows [r * B / W, (r + 1) * B / W); with equal local sizes the mean of the
-    local mean losses is the global mean loss, so the averaged gradient is the full-batch one.
+    split: rank r gets rows [r * B / W, (r + 1) * B / W) of every tensor; with equal local sizes
+    the mean of the local mean losses is the global mean loss, so the averaged gradient is the
+    full-batch one.
     """
     if data_mode == "identical":
         return batch
     if data_mode != "split":
         raise ValueError(f"data_mode={data_mode!r} is not one of {DATA_MODES}")
-    global_batch = batch[0].size(0)
+    global_batch = batch_size(batch)
     if global_batch % world_size:
         raise ValueError(
             f"global_batch={global_batch} does not divide by world_size={world_size} in split mode; "
             f"choose a world size that divides it"
         )
     local = global_batch // world_size
-    return tuple(t[rank * local : (rank + 1) * local] for t in batch)  # type: ignore[return-value]
+    return slice_batch(batch, rank * local, (rank + 1) * local)
+
+
+def call_model(model: Callable, inputs: Any) -> Any:
+    """The model applied to a batch's inputs: a dict as keyword arguments, a tuple or list as
+    positional arguments, anything else (a tensor) as the one argument."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)

@@ -3,8 +3,9 @@
 returning one. The parent and every rank load it the same way (from the same spec string).
 
 `validate_case` runs the case once on the CPU before any rank starts (a model with parameters, a
-batch that splits along dim 0, a scalar finite loss with a gradient), so a mistake in it is one
-line naming the fix instead of a traceback in W ranks.
+wrap that names its modules, a batch whose tensors split along dim 0, a scalar finite loss with a
+gradient, optimizers whose groups match parameters), so a mistake in it is one line naming the
+fix instead of a traceback in W ranks.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import math
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 
 from cases.catalog import Case
+from cases.data import call_model, map_tensors
 
 
 def is_case_spec(name: str) -> bool:
@@ -59,7 +62,8 @@ def load_case(spec: str) -> Case:
 
 
 def validate_case(case: Case, spec: str) -> None:
-    """One forward/backward of the plain model on the case's first global batch, on the CPU."""
+    """One forward/backward of the plain model on the case's first global batch, on the CPU, and
+    each optimizer built on its parameters: a mistake is one line naming the fix."""
     where = f"case {spec!r} (name={case.name})"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(case.seed)
@@ -73,21 +77,29 @@ def validate_case(case: Case, spec: str) -> None:
     if not trainable:
         raise ValueError(f"{where}: the model has no trainable parameters; nothing to shard or compare")
     try:
+        case.wrap_paths(model)
+    except Exception as e:
+        raise ValueError(f"{where}: wrap: {_one_line(e)}") from None
+    try:
         batch = case.make_batch(case.seed, 1, case.global_batch)
     except Exception as e:
         raise ValueError(f"{where}: make_batch(seed, 1, {case.global_batch}) raised {type(e).__name__}: {e}") from None
-    if not (isinstance(batch, tuple) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
-        raise ValueError(f"{where}: make_batch must return (inputs, targets) tensors, got {type(batch).__name__}")
-    for what, t in zip(("inputs", "targets"), batch):
+    if not (isinstance(batch, tuple) and len(batch) == 2):
+        raise ValueError(f"{where}: make_batch must return a pair (inputs, targets) of tensors or pytrees of "
+                         f"tensors, got {type(batch).__name__}")
+    tensors = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise ValueError(f"{where}: make_batch returned no tensor; (inputs, targets) must hold the batch's tensors")
+    for t in tensors:
         if t.dim() == 0 or t.size(0) != case.global_batch:
-            raise ValueError(f"{where}: {what} has shape {tuple(t.shape)}; dim 0 must be the batch "
+            raise ValueError(f"{where}: a batch tensor has shape {tuple(t.shape)}; dim 0 must be the batch "
                              f"(global_batch={case.global_batch}) so that split data can divide it")
+    inputs, targets = batch
     try:
-        out = model(batch[0])
-        out = out.float() if isinstance(out, torch.Tensor) and out.is_floating_point() else out
-        loss = case.loss_fn(out, batch[1])
+        out = map_tensors(lambda t: t.float() if t.is_floating_point() else t, call_model(model, inputs))
+        loss = case.loss_fn(out, targets)
     except Exception as e:
-        raise ValueError(f"{where}: the forward or loss_fn raised {type(e).__name__}: {e}") from None
+        raise ValueError(f"{where}: the forward or loss_fn raised {type(e).__name__}: {_one_line(e)}") from None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"{where}: loss_fn must return a floating scalar (a mean over the batch), got {shape}")
@@ -95,3 +107,22 @@ def validate_case(case: Case, spec: str) -> None:
         raise ValueError(f"{where}: the loss of the first batch is {loss.item()}; the case must start finite")
     if not loss.requires_grad:
         raise ValueError(f"{where}: the loss does not depend on any trainable parameter")
+    named = list(model.named_parameters())
+    for opt in case.optimizers:
+        for i, group in enumerate(opt.param_groups):
+            if not any(group.matches(n) for n, _ in named):
+                raise ValueError(f"{where}: optimizer {opt.kind} param_groups[{i}] params={list(group.params)} "
+                                 f"matches no parameter; names look like {[n for n, _ in named][:3]}")
+        try:
+            optimizer = opt.build_grouped(((n,), p) for n, p in named)
+            scheduler = opt.build_scheduler(optimizer)
+        except Exception as e:
+            raise ValueError(f"{where}: optimizer {opt.kind}: {type(e).__name__}: {_one_line(e)}") from None
+        if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise ValueError(f"{where}: optimizer {opt.kind} lr_scheduler returned a {type(scheduler).__name__}, "
+                             f"not a torch.optim.lr_scheduler.LRScheduler")
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__

@@ -266,6 +266,9 @@ def _add_search_verbs(verbs) -> None:
     mutants.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun launch (default 900)")
     mutants.add_argument("--only", default="", help="comma-separated faults (default: every fault of impl.FAULTS)")
     mutants.add_argument("--world-sizes", default="", help=argparse.SUPPRESS)  # one W for a quick test
+    mutants.add_argument("--cases", default=None,
+                         help="real architectures every fault also runs on, with a table per case (default "
+                              "gpt2,llama,moe: the models extra; 'none' for only the gate cases)")
 
 
 def _import_project(args) -> None:
@@ -296,7 +299,9 @@ def cmd_fuzz_or_mutants(args) -> int:
         from harness.ci.mutants import main as mutants_main
 
         ok = mutants_main(_out_dir(args.out), args.timeout, parse_csv(args.only, "only") if args.only else None,
-                          parse_world_sizes(args.world_sizes) if args.world_sizes else None)
+                          parse_world_sizes(args.world_sizes) if args.world_sizes else None,
+                          **({} if args.cases is None else
+                             {"arch_cases": () if args.cases == "none" else parse_csv(args.cases, "cases")}))
     return EXIT_PASS if ok else EXIT_FAIL
 
 

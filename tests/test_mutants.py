@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.judge.diff import Violation
-from harness.ci.mutants import HONEST, Evidence, MutantRow, corpus, table
+from harness.ci.mutants import HONEST, Evidence, MutantRow, case_table, corpus, table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,7 +62,8 @@ def test_the_corpus_covers_what_the_catalog_lacks():
 @pytest.mark.slow
 def test_one_mutant_is_caught_and_the_table_is_written(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "harness", "mutants", "--only", "grad_accum_overwrite",
-                           "--world-sizes", "2", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=900)
+                           "--world-sizes", "2", "--cases", "none", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = (tmp_path / "mutants.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith(("| mutant", "| ---"))]
@@ -71,3 +73,31 @@ def test_one_mutant_is_caught_and_the_table_is_written(tmp_path):
     assert re.search(r"\| grad_accum_overwrite \| yes \| grad \| [^|]+ \| 0/4, [12]/2 \|", text), text
     assert "(none) (honest) | passes | - |" in text and "(max over 6 runs) | 0/4, 0/2 |" in text, text
     assert "below half the tolerance" in text, text
+
+
+def test_the_per_case_table_counts_a_fault_that_cannot_act_as_not_applicable():
+    caught = MutantRow("no_grad_average", "a bug", [
+        Evidence("gate gpt2.ours.w2.split.no_grad_average", [_violation("grad", 50.0)]),
+        Evidence("gate gpt2.ours.w2.identical.no_grad_average", [_violation("param", 2.0)]),
+        Evidence("gate llama.ours.w2.split.no_grad_average", margins={"grad": 0.1})])
+    text, ok = case_table([caught], ("gpt2", "llama"))
+    assert "| no_grad_average | yes: grad 50 (2/2 cells) | NO (0/1 cells) |" in text and not ok, text
+    tied = MutantRow("tied_param_duplicated", "a bug", [Evidence("gate llama.ours.w2.split.tied_param_duplicated")])
+    text, ok = case_table([tied], ("llama",))
+    assert "n/a: needs a parameter with two names" in text and ok, text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the models extra")
+def test_faults_are_caught_on_each_real_architecture_they_can_act_on(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "harness", "mutants", "--only", "no_grad_average,tied_param_duplicated",
+                           "--world-sizes", "2", "--cases", "gpt2,llama", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=3000)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = (tmp_path / "mutants.md").read_text()
+    assert "| mutant | gpt2 | llama |" in text, text
+    # Honest: 2 data modes at W = 2 per case; no_grad_average acts on both, tied_param_duplicated
+    # only on GPT-2 (its token embedding is the output head; Llama's are separate).
+    assert "| (none) (honest) | passes (2 cells) | passes (2 cells) |" in text, text
+    assert re.search(r"\| no_grad_average \| yes: \w+ [^|]+ \(2/2 cells\) \| yes: \w+ [^|]+ \(2/2 cells\) \|", text), text
+    assert re.search(r"\| tied_param_duplicated \| yes: [^|]+ \| n/a: needs a parameter with two names", text), text

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cases.case import GROUP_HYPERPARAMETERS
 from cases.catalog import OptimizerSpec, get_case
 from harness.judge.diff import check_snapshot
 from harness.judge.tolerance import OptimizerErrorState, ReductionModel, clip_coefficient_error, unit_roundoff
@@ -83,6 +84,11 @@ _OPTIMIZERS = [OptimizerSpec("sgd", lr=0.05), OptimizerSpec("sgd", lr=0.05, mome
 _IDS = ["sgd", "sgd_momentum", "adamw"]
 
 
+def _hyper(optimizer: torch.optim.Optimizer) -> dict:
+    """The hyperparameters the shadow records for a parameter of the optimizer's first group."""
+    return {k: optimizer.param_groups[0][k] for k in GROUP_HYPERPARAMETERS if k in optimizer.param_groups[0]}
+
+
 def _drift(spec: OptimizerSpec, grads, deltas, grad_tols, start: torch.Tensor):
     """Shadow and candidate stepped by torch's optimizer from the candidate's parameters each step
     (as the judge does), the candidate's gradient off by `deltas`; per step the |param diff| and
@@ -99,7 +105,7 @@ def _drift(spec: OptimizerSpec, grads, deltas, grad_tols, start: torch.Tensor):
         shadow_opt.step()
         cand_opt.step()
         state = {k: v for k, v in shadow_opt.state[shadow_p].items() if isinstance(v, torch.Tensor)}
-        bound = errors.param_bound("p", step, tol.double(), grad, shadow_p.detach(), state)
+        bound = errors.param_bound("p", step, tol.double(), grad, shadow_p.detach(), state, _hyper(shadow_opt))
         out.append(((cand_p.detach().double() - shadow_p.detach().double()).abs(), bound))
     return out
 
@@ -125,6 +131,39 @@ def test_param_bound_holds_for_admissible_gradient_errors_and_4x_those_escape(sp
     # some step: the bound is less than 4x what honest gradient errors reach.
     beyond = _drift(spec, grads, [4 * d for d in at_limit], tols, start)
     assert any((d > b).any() for d, b in beyond), [(d / b).max().item() for d, b in beyond]
+
+
+@pytest.mark.parametrize("spec", [OptimizerSpec("sgd", lr=0.01, momentum=0.9), OptimizerSpec("adamw", lr=1e-4)],
+                         ids=["sgd_momentum", "adamw"])
+def test_the_param_bound_follows_each_steps_scheduled_lr_not_the_specs(spec):
+    """An LR scheduler raises the learning rate 8x after the first step. The bound computed from
+    each step's actual learning rate (what the shadow records) holds for gradient errors at their
+    admissible limit; the same bound from the spec's fixed lr is exceeded by that honest run."""
+    grads, tols, at_limit = _gradients(400, 4, 1e-5)
+    start = torch.linspace(-0.1, 0.1, 400)
+    shadow_p, cand_p = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    shadow_opt, cand_opt = spec.build([shadow_p]), spec.build([cand_p])
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 8.0 if s >= 1 else 1.0) for o in (shadow_opt, cand_opt)]
+    actual, fixed = OptimizerErrorState(spec, U32), OptimizerErrorState(spec, U32)
+    lrs, fixed_exceeded = [], False
+    for step, (grad, delta, tol) in enumerate(zip(grads, at_limit, tols), start=1):
+        with torch.no_grad():
+            shadow_p.copy_(cand_p)
+        shadow_p.grad, cand_p.grad = grad.clone(), grad + delta
+        hyper = _hyper(shadow_opt)
+        lrs.append(hyper["lr"])
+        shadow_opt.step()
+        cand_opt.step()
+        for schedule in schedules:
+            schedule.step()
+        state = {k: v for k, v in shadow_opt.state[shadow_p].items() if isinstance(v, torch.Tensor)}
+        diff = (cand_p.detach().double() - shadow_p.detach().double()).abs()
+        bound = actual.param_bound("p", step, tol.double(), grad, shadow_p.detach(), state, hyper)
+        assert (diff <= bound).all(), (step, (diff / bound).max().item())
+        stale = fixed.param_bound("p", step, tol.double(), grad, shadow_p.detach(), state, spec.hyper())
+        fixed_exceeded |= bool((diff > stale).any())
+    assert lrs == [spec.lr] + [8 * spec.lr] * 3, lrs
+    assert fixed_exceeded, "the spec's lr bounds the honest run too: the test cannot tell the two apart"
 
 
 def _ulps(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -156,7 +195,7 @@ def test_one_ulp_rounding_flips_stay_within_the_param_bound_and_4_ulps_escape(sp
     p.grad = grads[0].clone()
     opt.step()
     state = {k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
-    bound = OptimizerErrorState(spec, U32).param_bound("p", 1, tols[0], grads[0], p.detach(), state)
+    bound = OptimizerErrorState(spec, U32).param_bound("p", 1, tols[0], grads[0], p.detach(), state, _hyper(opt))
     shadow = p.detach()
     one_ulp = (_ulps(shadow, 1).double() - shadow.double()).abs()
     four_ulps = (_ulps(shadow, 4).double() - shadow.double()).abs()

@@ -12,6 +12,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = REPO / "tests" / "data" / "user_case_gated_seq.py"
+# Every extension of the Case API at once: keyword inputs and a dict output, a pytree batch with a
+# non-tensor leaf, wrap by module class, a parameter group, an LR schedule.
+API_SOURCE = REPO / "tests" / "data" / "user_case_api.py"
 
 
 def _harness(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
@@ -21,15 +24,16 @@ def _harness(args: list[str], timeout: float = 900) -> subprocess.CompletedProce
 
 @pytest.mark.slow
 def test_a_users_model_passes_at_every_w_and_a_planted_bug_in_its_adapter_fails(tmp_path):
-    case_file = tmp_path / "my_case.py"
+    case_file, api_file = tmp_path / "my_case.py", tmp_path / "my_tagger.py"
     shutil.copy(SOURCE, case_file)
-    proc = _harness(["run", "--cases", f"{case_file}:make_case",
+    shutil.copy(API_SOURCE, api_file)
+    proc = _harness(["run", "--cases", f"{case_file}:make_case,{api_file}:make_case",
                      "--impls", f"ours,fsdp2,{case_file}:ScaledGradients", "--world-sizes", "1,2,4",
-                     "--data", "identical,split", "--out", str(tmp_path / "out")])
+                     "--data", "identical,split", "--out", str(tmp_path / "out")], timeout=2400)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     cells = {c["cell_id"]: c for c in json.loads((tmp_path / "out" / "summary.json").read_text())["cells"]}
-    expected = {f"gated_seq.{impl}.w{w}.{data}" for impl in ("ours", "fsdp2", "scaled_gradients")
-                for w in (1, 2, 4) for data in ("identical", "split")}
+    expected = {f"{case}.{impl}.w{w}.{data}" for case in ("gated_seq", "tagger")
+                for impl in ("ours", "fsdp2", "scaled_gradients") for w in (1, 2, 4) for data in ("identical", "split")}
     assert set(cells) == expected, sorted(cells)
     for cell_id, cell in cells.items():
         if ".scaled_gradients." in cell_id and ".w1." not in cell_id:  # at W = 1 nothing is reduced
@@ -45,7 +49,21 @@ def test_a_users_model_passes_at_every_w_and_a_planted_bug_in_its_adapter_fails(
 _MISTAKES = {
     "no parameters": ("build_model=lambda: nn.Identity()", "no trainable parameters"),
     "batch does not split": ("make_batch=lambda s, t, b: (torch.randn(7), torch.randn(7))", "dim 0 must be the batch"),
+    "a pytree batch tensor does not split": (
+        "make_batch=lambda s, t, b: ({'input': torch.randn(b, 3), 'extra': torch.randn(2, b)}, torch.randn(b, 2)), "
+        "build_model=lambda: Kw()", "dim 0 must be the batch"),
     "loss not a scalar": ("loss_fn=lambda out, y: (out - y) ** 2", "must return a floating scalar"),
+    "loss of a dict output not a scalar": ("build_model=lambda: DictOut(), loss_fn=lambda out, y: out['y'] - y",
+                                           "must return a floating scalar"),
+    "unsupported optimizer class": ("optimizers=(torch.optim.Adam,)", "has no error model; use OptimizerSpec('sgd'"),
+    "unsupported optimizer kind": ("optimizers=(OptimizerSpec('adam', lr=0.1),)", "has no error model; use"),
+    "param group matches nothing": (
+        "optimizers=(OptimizerSpec('sgd', lr=0.1, param_groups=(ParamGroup(('encoder.*',), lr=0.01),)),)",
+        "matches no parameter"),
+    "scheduler is not one": ("optimizers=(OptimizerSpec('sgd', lr=0.1, lr_scheduler=lambda opt: 3),)",
+                             "not a torch.optim.lr_scheduler.LRScheduler"),
+    "wrap path missing": ("wrap=('encoder',)", "is not a sub-module"),
+    "wrap class missing": ("wrap=(nn.Conv2d,)", "match no sub-module"),
 }
 
 
@@ -56,8 +74,24 @@ def test_a_mistake_in_a_users_case_is_exit_2_with_one_line_before_any_rank(tmp_p
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from cases.catalog import Case, OptimizerSpec
+from cases.catalog import Case, OptimizerSpec, ParamGroup
 from cases.data import regression_batch
+
+class DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return {{"y": self.fc(x)}}
+
+class Kw(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, input, extra):
+        return self.fc(input)
 
 def make_case():
     kw = dict(name="bad", description="", build_model=lambda: nn.Linear(3, 2), wrap=(),

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+from cases.data import map_tensors
 from cases.features import Features
 
 
@@ -57,15 +58,16 @@ class CastCompute(nn.Module):
     def named_parameters(self, *args, **kwargs):
         return self.inner.named_parameters(*args, **kwargs)
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
         params = {n: p.to(self.dtype) for n, p in self.inner.named_parameters()}
-        args = tuple(a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-        return functional_call(self.inner, params, args)
+        args, kwargs = map_tensors(lambda a: a.to(self.dtype) if a.is_floating_point() else a, (args, kwargs))
+        return functional_call(self.inner, params, args, kwargs)
 
 
-def floating_output(out: torch.Tensor) -> torch.Tensor:
-    """Losses are computed in fp32 whatever the compute dtype, for every implementation alike."""
-    return out.float() if out.is_floating_point() and out.dtype != torch.float32 else out
+def floating_output(out):
+    """Losses are computed in fp32 whatever the compute dtype, for every implementation alike
+    (every floating tensor of an output pytree: a tensor, tuple, dict, ModelOutput)."""
+    return map_tensors(lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t, out)
 
 
 def all_reduce_mean_copy(tensors: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from cases.catalog import OptimizerSpec
+from cases.catalog import CASES, OptimizerSpec
 from harness.judge.diff import BOUNDED, JUDGED, Violation
 from harness.errors import UserError
 from harness.fuzz.check import ExampleResult, run_example
@@ -41,6 +41,39 @@ FAULT_CASES = {
     "no_grad_average": ("mixed_precision", "mixed_precision_bf16_reduce"),
     "replica_grad_drift": ("no_shard", "hybrid_shard"),
 }
+# Real architectures (cases/architectures.py): every fault runs on each too, honestly and planted,
+# and the per-case table shows it caught on each. A fault that acts only under a feature a case
+# lacks cannot act there: the table names the feature instead of counting the fault.
+ARCH_CASES = ("gpt2", "llama", "moe")
+FAULT_NEEDS = {
+    "grad_accum_overwrite": "gradient accumulation",
+    "master_lost_to_param_dtype": "mixed precision",
+    "replica_grad_drift": "replicated shards (HSDP or NO_SHARD)",
+    "tied_param_duplicated": "a parameter with two names (tied weights)",
+}
+
+
+def fault_cannot_act(fault: str, case_name: str) -> str | None:
+    """Why `fault` cannot act on a catalog case (the feature it needs and the case lacks), or None."""
+    from cases.catalog import get_case
+
+    need = FAULT_NEEDS.get(fault)
+    if need is None:
+        return None
+    case = get_case(case_name)
+    features = case.features
+    has = {
+        "grad_accum_overwrite": features.grad_accum > 1,
+        "master_lost_to_param_dtype": features.mixed_precision,
+        "replica_grad_drift": features.mesh != "shard",
+        "tied_param_duplicated": _has_tied_parameter(case),
+    }[fault]
+    return None if has else f"n/a: needs {need}"
+
+
+def _has_tied_parameter(case) -> bool:
+    model = case.build_model()
+    return len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.named_parameters()))
 
 
 def corpus(world_size: int) -> dict[str, ModelSpec]:
@@ -127,19 +160,20 @@ class MutantRow:
         return e.first.describe(e.source)
 
 
-def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float,
-                   world_sizes: tuple[int, ...]) -> dict[str, list[Evidence]]:
+def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float, world_sizes: tuple[int, ...],
+                   arch_cases: tuple[str, ...] = ()) -> dict[str, list[Evidence]]:
     from harness.run.orchestrate import Progress, run_plan
     from harness.run.plan import build_plan
     from harness.report.build import build_report, report_files
     from harness.judge.verdict import evaluate
 
     extra = tuple(sorted({c for f in faults for c in FAULT_CASES.get(f, ())}))
-    base = build_plan(cases=GATE_CASES + extra, impls=("ours",), world_sizes=world_sizes,
+    base = build_plan(cases=GATE_CASES + extra + arch_cases, impls=("ours",), world_sizes=world_sizes,
                       data_modes=("identical", "split"), steps=GATE_STEPS, timeout_s=timeout_s,
                       out_dir=out_dir)
+    acts = {(f, c): fault_cannot_act(f, c) is None for f in faults for c in arch_cases}
     cells = base.cells + tuple(replace(c, faults=(f,)) for f in faults for c in base.cells
-                               if c.case in GATE_CASES + FAULT_CASES.get(f, ()))
+                               if c.case in GATE_CASES + FAULT_CASES.get(f, ()) or acts.get((f, c.case)))
     plan = replace(base, cells=cells)
     with OutputDir(plan.out_dir, plan.run_id, ("snapshots", "logs", "init")) as output:
         outcome = run_plan(plan, Progress(plan))
@@ -188,9 +222,42 @@ def table(rows: list[MutantRow]) -> str:
     return "\n".join(lines)
 
 
+def case_table(rows: list[MutantRow], arch_cases: tuple[str, ...]) -> tuple[str, bool]:
+    """Per fault and architecture case: caught (the check of the first divergence and its
+    |diff| / tol), NO, or n/a with the feature the case lacks; and whether each fault that can act
+    on a case is caught there and the honest cells of every case pass."""
+    lines = ["| mutant | " + " | ".join(arch_cases) + " |", "| --- |" + " --- |" * len(arch_cases)]
+    ok = True
+    for row in rows:
+        entries = []
+        for case in arch_cases:
+            runs = [e for e in row.evidence if e.source.startswith(f"gate {case}.")]
+            if row.mutant == HONEST:
+                good = bool(runs) and not any(e.failed for e in runs)
+                entries.append(f"{'passes' if good else 'FAILS'} ({len(runs)} cells)")
+                ok &= good
+                continue
+            why = fault_cannot_act(row.mutant, case)
+            if why:
+                entries.append(why)
+                continue
+            failed = [e for e in runs if e.failed]
+            ok &= bool(failed)
+            if not failed:
+                entries.append(f"NO (0/{len(runs)} cells)")
+                continue
+            first = min((e.first for e in failed if e.first is not None), key=Violation.sort_key, default=None)
+            what = "crash" if first is None else f"{first.check} {_fmt_ratio(first.ratio)}"
+            entries.append(f"yes: {what} ({len(failed)}/{len(runs)} cells)")
+        label = f"{HONEST} (honest)" if row.mutant == HONEST else row.mutant
+        lines.append(f"| {label} | " + " | ".join(entries) + " |")
+    return "\n".join(lines), ok
+
+
 def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
-         world_sizes: tuple[int, ...] | None = None) -> bool:
-    """world_sizes: both batteries at these W instead of GATE_WORLD_SIZES / CORPUS_WORLD_SIZES."""
+         world_sizes: tuple[int, ...] | None = None, arch_cases: tuple[str, ...] = ARCH_CASES) -> bool:
+    """world_sizes: both batteries at these W instead of GATE_WORLD_SIZES / CORPUS_WORLD_SIZES;
+    arch_cases: the real architectures every fault also runs on (() for none)."""
     from harness.adapters.ours import check_faults, planted_faults
 
     catalog = planted_faults()
@@ -201,14 +268,17 @@ def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
 
     faults = list(only) if only else sorted(catalog)
     check_faults(faults)
+    unknown_cases = sorted(set(arch_cases) - set(CASES))
+    if unknown_cases:
+        raise UserError(f"mutants --cases: unknown case(s) {unknown_cases}; the real architectures are {list(ARCH_CASES)}")
     with OutputDir(out_dir, uuid.uuid4().hex, ("gate", "fuzz", "mutants.md")):
-        return _run(out_dir, faults, catalog, timeout_s, gate_world_sizes, corpus_world_sizes)
+        return _run(out_dir, faults, catalog, timeout_s, gate_world_sizes, corpus_world_sizes, tuple(arch_cases))
 
 
 def _run(out_dir: Path, faults: list[str], descriptions: dict[str, str], timeout_s: float,
-         gate_world_sizes: tuple[int, ...], corpus_world_sizes: tuple[int, ...]) -> bool:
+         gate_world_sizes: tuple[int, ...], corpus_world_sizes: tuple[int, ...], arch_cases: tuple[str, ...]) -> bool:
     start = time.monotonic()
-    gate = _gate_evidence(out_dir / "gate", faults, timeout_s, gate_world_sizes)
+    gate = _gate_evidence(out_dir / "gate", faults, timeout_s, gate_world_sizes, arch_cases)
     gate_s = time.monotonic() - start
     fuzz = _corpus_evidence(out_dir / "fuzz", faults, corpus_world_sizes)
     rows = [MutantRow(HONEST, "unmutated", gate.get(HONEST, []) + fuzz.get(HONEST, []))]
@@ -219,7 +289,8 @@ def _run(out_dir: Path, faults: list[str], descriptions: dict[str, str], timeout
         "gate": [r for r in rows[1:] if any(e.failed for e in r.evidence if e.source.startswith("gate"))],
         "fuzz": [r for r in rows[1:] if any(e.failed for e in r.evidence if e.source.startswith("fuzz"))],
     }
-    ok = not honest.caught and all(r.caught for r in rows[1:])
+    per_case, per_case_ok = case_table(rows, arch_cases) if arch_cases else ("", True)
+    ok = not honest.caught and all(r.caught for r in rows[1:]) and per_case_ok
     text = "\n".join([
         f"# Mutants: {'PASS' if ok else 'FAIL'}", "",
         f"Batteries: gate matrix (cases {list(GATE_CASES)} for every fault, and per fault {FAULT_CASES}; impl=ours, W={list(gate_world_sizes)}, identical+split "
@@ -232,7 +303,10 @@ def _run(out_dir: Path, faults: list[str], descriptions: dict[str, str], timeout
         f"{honest_margin:.3g} -> {'below' if honest_margin < 0.5 else 'NOT below'} half the tolerance.",
         f"Honest bias margin (largest |count - n/2| / threshold of a gradient's sign counts, |z| / 7.5 for fair "
         f"coins; fails above 1): {honest.ratio(('bias',)):.3g}.",
-        f"Wall time {time.monotonic() - start:.0f}s.",
+        *(["", f"Per real architecture (the gate battery's cells of each case, W={list(gate_world_sizes)}, identical+split): "
+           f"every fault that can act on a case is caught on it: {'yes' if per_case_ok else 'NO'}.", "", per_case]
+          if arch_cases else []),
+        "", f"Wall time {time.monotonic() - start:.0f}s.",
     ])
     write_atomic_text(out_dir / "mutants.md", text + "\n")
     print(text)

@@ -344,7 +344,7 @@ class StepBounds:
             stepped = {n: coef * g for n, g in stepped.items()}
         for name, gtol in stepped_tols.items():
             param_tols[name] = self.opt_state.param_bound(name, step, gtol, stepped[name], shadow["params"][name],
-                                                          shadow["state"].get(name, {}))
+                                                          shadow["state"].get(name, {}), shadow["hyper"][name])
         return grad_tols, param_tols
 
 

@@ -9,7 +9,8 @@ model, every rank's local forward/backward on that rank's local batch (W ranks x
 one pass when the data is identical on every rank). What it returns is the reference of the error
 model (docs/error_model.md): each rank's exact local loss, the exact mean of the K local gradient
 terms (float64), sum |term| / W (float64), and the plain optimizer's step from the mean rounded to
-the parameter dtype. `perturb` turns it into one step of a perturbed reference run (the
+the parameter dtype, with the hyperparameters each parameter stepped with (its group's, at this
+step's learning rate). `perturb` turns it into one step of a perturbed reference run (the
 trajectory envelope).
 """
 
@@ -20,17 +21,18 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from cases.catalog import Case, OptimizerSpec
-from cases.data import Batch, local_batch
+from cases.case import GROUP_HYPERPARAMETERS, Case, OptimizerSpec
+from cases.data import Batch, batch_size, call_model, local_batch, map_tensors, micro_batches
 from cases.features import DTYPES
 from harness.adapters.features import CastCompute, floating_output
 from harness.judge.tolerance import ReductionModel, unit_roundoff
 
 
-def forward_backward(model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor, num_micro: int,
+def forward_backward(model: nn.Module, loss_fn, inputs, targets, num_micro: int,
                      before_micro: Callable[[int], None] | None = None,
                      after_micro: Callable[[int], None] | None = None) -> torch.Tensor:
-    """One step's forward and backward on this rank's batch; returns the local loss.
+    """One step's forward and backward on this rank's batch (inputs and targets: pytrees of
+    tensors, cases/data.py); returns the local loss.
 
     With num_micro > 1 the batch is chunked into micro-batches, each loss divided by num_micro,
     gradients accumulated by autograd, and the returned loss is 0 + l_1/M + l_2/M + ... in the
@@ -38,22 +40,30 @@ def forward_backward(model: nn.Module, loss_fn, inputs: torch.Tensor, targets: t
     if num_micro == 1:
         if before_micro is not None:
             before_micro(0)
-        loss = loss_fn(floating_output(model(inputs)), targets)
+        loss = _local_loss(model, loss_fn, inputs, targets)
         loss.backward()
         if after_micro is not None:
             after_micro(0)
         return loss.detach()
     total = None
-    for i, (x, y) in enumerate(zip(inputs.chunk(num_micro), targets.chunk(num_micro))):
+    for i, (x, y) in enumerate(micro_batches((inputs, targets), num_micro)):
         if before_micro is not None:
             before_micro(i)
-        loss = loss_fn(floating_output(model(x)), y) / num_micro
+        loss = _local_loss(model, loss_fn, x, y) / num_micro
         loss.backward()
         if after_micro is not None:
             after_micro(i)
         total = torch.zeros((), dtype=loss.dtype, device=loss.device) if total is None else total
         total += loss.detach()
     return total
+
+
+def _local_loss(model: nn.Module, loss_fn, inputs, targets) -> torch.Tensor:
+    loss = loss_fn(floating_output(call_model(model, inputs)), targets)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn returned {shape}, not a scalar tensor (the mean over the local batch)")
+    return loss
 
 
 class Shadow:
@@ -80,7 +90,8 @@ class Shadow:
                 first[id(p)] = name
         # Mixed precision: the shadow computes the way the policy does (harness/adapters/features.py).
         self.model = CastCompute(plain, features.compute_dtype) if features.mixed_precision else plain
-        self.optim = spec.build(self.params.values())
+        self.optim = spec.build_grouped(((name,), p) for name, p in self.params.items())
+        self.scheduler = spec.build_scheduler(self.optim)
         self.clip = (features.clip_max_norm, features.clip_norm_type) if features.clip_norm_type else None
         self.num_micro = features.grad_accum if num_micro is None else num_micro
         self.device = device
@@ -109,7 +120,7 @@ class Shadow:
         losses = []
         try:
             for rank in ranks:
-                inputs, targets = (t.to(self.device) for t in local_batch(batch, data_mode, rank, world_size))
+                inputs, targets = map_tensors(lambda t: t.to(self.device), local_batch(batch, data_mode, rank, world_size))
                 for leaves in uses.values():
                     for leaf in leaves:
                         leaf.grad = None
@@ -159,24 +170,37 @@ class Shadow:
             p.grad = grads[name].to(p.dtype) if name in grads else None
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(list(self.params.values()), *self.clip)
+        hyper = self.hyperparameters()  # this step's, before the scheduler moves the learning rate
         self.optim.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         return {
             "loss": losses.detach().cpu(),
             "grads": {n: g.cpu() for n, g in grads.items()},
             "abs_grads": {n: a.cpu() for n, a in abs_grads.items()},
             "num_terms": {n: k for n, k in self.num_terms(world_size).items() if n in grads},
             "params": {n: p.detach().cpu().clone() for n, p in self.params.items()},
+            "hyper": hyper,
             "state": {
                 n: {k: v.detach().cpu().clone() for k, v in self.optim.state[p].items() if isinstance(v, torch.Tensor)}
                 for n, p in self.params.items()
             },
         }
 
+    def hyperparameters(self) -> dict[str, dict]:
+        """Per parameter name, the hyperparameters of its optimizer group now (the error model's
+        inputs: a scheduler changes lr from step to step, groups differ from each other)."""
+        group_of = {id(p): g for g in self.optim.param_groups for p in g["params"]}
+        return {name: {k: group_of[id(p)][k] for k in GROUP_HYPERPARAMETERS if k in group_of[id(p)]}
+                for name, p in self.params.items()}
+
     def _perturb(self, grads: dict[str, torch.Tensor], batch: Batch, generator: torch.Generator) -> None:
-        """Add noise of the size of the largest honest reduction error of any split of this batch:
-        every sample its own term (K = B) bounds every W x M split (docs/error_model.md)."""
-        num_samples = batch[0].size(0)
-        _, _, per_sample_abs = self._terms(batch, "split", num_samples, 1)
+        """Add noise of the size of the largest honest reduction error of any split of this batch
+        (every sample its own term, K = B, bounds every W x M split), plus the measured difference
+        between this whole-batch gradient and the mean of the per-sample ones: the local computation
+        on another batch size (docs/error_model.md, "Trajectories")."""
+        num_samples = batch_size(batch)
+        _, per_sample_mean, per_sample_abs = self._terms(batch, "split", num_samples, 1)
         features = self.case.features
         precision = ReductionModel.for_cell(1, self.num_micro, features.compute_dtype,
                                             DTYPES[features.reduce_dtype] if features.reduce_dtype else None)
@@ -185,6 +209,11 @@ class Shadow:
         u = max(precision.u, unit_roundoff(features.compute_dtype))
         model = ReductionModel(num_samples, u, precision.casts)
         for name, g in grads.items():
-            amplitude = model.grad_bound(per_sample_abs[name])
+            # A sample's gradient is itself a sum over its rows (a sequence's tokens), which a
+            # batched backward sums in another order than a per-sample one; where those rows cancel
+            # (an attention key bias, whose exact gradient is zero) this difference dwarfs the
+            # reduction bound of the per-sample terms.
+            local_shape = (g - per_sample_mean[name]).abs()
+            amplitude = model.grad_bound(per_sample_abs[name]) + local_shape
             noise = torch.rand(g.shape, generator=generator, dtype=torch.float64) * 2 - 1
             grads[name] = g + noise * amplitude.cpu().to(g.device)

@@ -155,39 +155,41 @@ def clip_coefficient_error(grads: dict[str, torch.Tensor], grad_tols: dict[str, 
 
 @dataclass
 class OptimizerErrorState:
-    """Per-parameter bounds on |candidate state - shadow state|, carried across steps."""
+    """Per-parameter bounds on |candidate state - shadow state|, carried across steps. The
+    hyperparameters of each step are the ones the shadow's optimizer stepped that parameter with
+    (its parameter group's, the learning rate the scheduler set for that step)."""
 
     spec: OptimizerSpec
     u: float  # unit roundoff of the parameters and optimizer state (the master dtype)
     bounds: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def param_bound(self, name: str, step: int, grad_tol: torch.Tensor, grad: torch.Tensor,
-                    param: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+                    param: torch.Tensor, state: dict[str, torch.Tensor], hyper: dict) -> torch.Tensor:
         """Bound on |candidate param - shadow param| after `step` (1-based), from the same start.
         `grad` is the gradient the shadow stepped with, `grad_tol` the bound on the candidate's
-        difference from it."""
+        difference from it, `hyper` the parameter's lr, momentum, betas, eps at this step."""
         if self.spec.kind == "sgd":
-            return self._sgd(name, grad_tol, param, state)
-        return self._adamw(name, step, grad_tol, grad, param, state)
+            return self._sgd(name, grad_tol, param, state, hyper)
+        return self._adamw(name, step, grad_tol, grad, param, state, hyper)
 
-    def _sgd(self, name, grad_tol, param, state):
-        spec, u = self.spec, self.u
+    def _sgd(self, name, grad_tol, param, state, hyper):
+        u, lr, momentum = self.u, hyper["lr"], hyper["momentum"]
         p = param.double().abs()
-        if spec.momentum == 0 or "momentum_buffer" not in state:
+        if momentum == 0 or "momentum_buffer" not in state:
             update_err = grad_tol
             update = p.new_zeros(()) if "momentum_buffer" not in state else state["momentum_buffer"].double().abs()
         else:
             buf = state["momentum_buffer"].double().abs()
             prev = self.bounds.get(name, {}).get("buf", torch.zeros_like(buf))
             # buf = momentum * buf + g (+ weight_decay * p): the same ops on inputs that differ.
-            dbuf = spec.momentum * prev + grad_tol + 2 * u * buf
+            dbuf = momentum * prev + grad_tol + 2 * u * buf
             self.bounds[name] = {"buf": dbuf}
             update_err, update = dbuf, buf
-        return spec.lr * update_err + ROUNDING_ALLOWANCE * 2 * u * (p + spec.lr * update)
+        return lr * update_err + ROUNDING_ALLOWANCE * 2 * u * (p + lr * update)
 
-    def _adamw(self, name, step, grad_tol, grad, param, state):
-        spec, u = self.spec, self.u
-        beta1, beta2 = spec.betas
+    def _adamw(self, name, step, grad_tol, grad, param, state, hyper):
+        u, lr, eps = self.u, hyper["lr"], hyper["eps"]
+        beta1, beta2 = hyper["betas"]
         m = state["exp_avg"].double()
         v = state["exp_avg_sq"].double()
         g = grad.double().abs()
@@ -197,11 +199,11 @@ class OptimizerErrorState:
         self.bounds[name] = {"m": dm, "v": dv}
         bc1 = 1 - beta1**step
         sqrt_bc2 = math.sqrt(1 - beta2**step)
-        step_size = spec.lr / bc1
-        denom = v.sqrt() / sqrt_bc2 + spec.eps
+        step_size = lr / bc1
+        denom = v.sqrt() / sqrt_bc2 + eps
         # |sqrt(a) - sqrt(v)| over |a - v| <= dv, tight also where v is near zero.
         ddenom = ((v + dv).sqrt() - (v - dv).clamp(min=0).sqrt()) / sqrt_bc2
-        denom_lo = (denom - ddenom).clamp(min=spec.eps)
+        denom_lo = (denom - ddenom).clamp(min=eps)
         dupdate = step_size * (dm / denom_lo + m.abs() * ddenom / (denom * denom_lo))
         update = step_size * m.abs() / denom
         return dupdate + ROUNDING_ALLOWANCE * 2 * u * (param.double().abs() + update)

@@ -14,6 +14,7 @@ import re
 import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
 from harness.report.view import CaseView, cell_label
 from harness.judge.tolerance import TRAJECTORY_FACTOR
@@ -23,6 +24,7 @@ WORLD_SIZE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e
 IMPL_STYLES = ("-", "--", ":", "-.")
 DATA_MARKERS = {"identical": "o", "split": "x"}
 REFERENCE_STYLE = {"color": "#b0b0b0", "linewidth": 5, "solid_capstyle": "round", "zorder": 1}
+MAX_STEP_TICKS = 12
 RC = {"svg.fonttype": "none", "font.size": 8, "axes.titlesize": 9, "axes.labelsize": 8,
       "legend.fontsize": 7, "xtick.labelsize": 7, "ytick.labelsize": 7}
 
@@ -69,7 +71,10 @@ def _figure(num_panels: int, height: float = 2.1) -> tuple[Figure, list]:
 
 def _steps_axis(ax, steps) -> None:
     ax.set_xlabel("step")
-    ax.set_xticks(sorted(steps))
+    if len(steps) <= MAX_STEP_TICKS:
+        ax.set_xticks(sorted(steps))
+    else:  # a long run (--steps 100): a tick per step would be unreadable
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=MAX_STEP_TICKS, integer=True))
     ax.grid(True, alpha=0.3, linewidth=0.5)
 
 

@@ -23,11 +23,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from cases.catalog import Case, OptimizerSpec, get_case
-from cases.data import local_batch
+from cases.data import local_batch, map_tensors
 from cases.features import PLAIN
 from harness.run import lifeline
 from harness.adapters.features import apply_activation_checkpointing
-from harness.adapters.base import Adapter, RankContext, RawShard
+from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run.plan import Cell
 from harness.judge.shadow import Shadow
@@ -100,7 +100,8 @@ def _check_refused_wrap(case: Case, adapter: Adapter, ctx: RankContext) -> None:
                        f"units was accepted; a parameter tied across units must be refused")
 
 
-def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, init_state) -> nn.Module:
+def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, init_state,
+                   wrap_paths: tuple[str, ...]) -> nn.Module:
     features = case.features
     if features.meta_init:
         with torch.device("meta"):
@@ -110,10 +111,46 @@ def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, init_state) -
         model.load_state_dict(init_state)
         model.to(ctx.device)
     apply_activation_checkpointing(model, features.activation_checkpointing)
-    wrapped = adapter.wrap(model, case.wrap, ctx)
+    wrapped = adapter.wrap(model, wrap_paths, ctx)
     if features.meta_init:
         adapter.materialize(wrapped, init_state, ctx.device)
     return wrapped
+
+
+def _params_with_plain_names(wrapped: nn.Module, adapter: Adapter, plain_names: set[str], ctx: RankContext,
+                             cell: Cell) -> list[tuple[tuple[str, ...], nn.Parameter]]:
+    """Each parameter of the wrapped model with the plain model's parameter names it holds: its own
+    name when the implementation keeps per-parameter tensors (fsdp2), the names its layout maps
+    onto a flat parameter '<unit>/<flat name>' otherwise (ours)."""
+    by_flat_key: dict[str, list[str]] = {}
+    for name, layout in adapter.layouts(wrapped).items():
+        if layout.get("kind") == "flat":
+            by_flat_key.setdefault(layout["flat_key"], []).append(name)
+    out = []
+    for wrapped_name, param in wrapped.named_parameters():
+        wrapped_name = plain_name(wrapped_name)
+        if wrapped_name in plain_names:
+            out.append(((wrapped_name,), param))
+            continue
+        unit, _, flat_name = wrapped_name.rpartition(".")
+        held = by_flat_key.get(f"{unit or '<root>'}/{flat_name}")
+        if not held:
+            raise RuntimeError(f"rank {ctx.rank}: impl={cell.impl} parameter {wrapped_name!r} holds no parameter of the "
+                               f"plain model by its layouts; param groups cannot be assigned to it")
+        out.append((tuple(held), param))
+    return out
+
+
+def _make_optimizer(adapter: Adapter, wrapped: nn.Module, spec: OptimizerSpec, case: Case, ctx: RankContext,
+                    cell: Cell, plain_names: set[str]) -> torch.optim.Optimizer:
+    """The adapter's optimizer; with parameter groups the harness builds it, each of the wrapped
+    model's parameters in the group of the plain parameters it holds."""
+    if not spec.param_groups:
+        return adapter.make_optimizer(wrapped, spec, case.features)
+    try:
+        return spec.build_grouped(_params_with_plain_names(wrapped, adapter, plain_names, ctx, cell))
+    except ValueError as e:  # a flat parameter across groups: this implementation cannot run the case
+        raise RuntimeError(f"rank {ctx.rank}: impl={cell.impl} case={case.name}: {e}") from None
 
 
 def digest(t: torch.Tensor) -> int:
@@ -134,8 +171,10 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     plain = case.build_model()
     names = [n for n, _ in plain.named_parameters()]
     grad_names = [n for n, p in plain.named_parameters() if p.requires_grad]
-    wrapped: nn.Module = _build_wrapped(case, adapter, ctx, init_state)
-    optim = adapter.make_optimizer(wrapped, spec, features)
+    wrap_paths = case.wrap_paths(plain)
+    wrapped: nn.Module = _build_wrapped(case, adapter, ctx, init_state, wrap_paths)
+    optim = _make_optimizer(adapter, wrapped, spec, case, ctx, cell, set(names))
+    scheduler = spec.build_scheduler(optim)
     is_writer = world.rank == 0
     shadow = Shadow(case, spec, init_state, ctx.device) if is_writer else None
     reshard_steps = features.checkpoint_reshard_at if adapter.reshards_checkpoints else ()
@@ -145,11 +184,14 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     steps, params_before = [], init_params
     for step in range(1, cell.steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
-        inputs, targets = (t.to(ctx.device) for t in local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size))
+        inputs, targets = map_tensors(lambda t: t.to(ctx.device),
+                                      local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size))
         adapter.zero_grad(wrapped, optim)
         loss = adapter.forward_backward(wrapped, case.loss_fn, inputs, targets, features.grad_accum)
         grads = _pick(adapter.full_grads(wrapped), grad_names, "full_grads", ctx, cell)
         adapter.optimizer_step(wrapped, optim, features)
+        if scheduler is not None:
+            scheduler.step()
         params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
         # Every rank's full parameters and gradients, digested: replicas must agree bitwise.
         digests = [digest(params[n]) for n in names] + [digest(grads[n]) for n in grad_names]
@@ -167,9 +209,9 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
             shard_size = max(1, ctx.world_size // 2 ** (reshard_steps.index(step) + 1))
             directory = scratch_dir / f"{cell.cell_id}.{spec.kind}.step{step}"
             wrapped, optim = adapter.reshard_checkpoint(wrapped, optim, spec, ctx, features, directory, shard_size,
-                                                        case.wrap, case.build_model)
+                                                        wrap_paths, case.build_model)
     if reshard_steps:
-        adapter.full_state_roundtrip(wrapped, case.build_model, case.wrap, ctx,
+        adapter.full_state_roundtrip(wrapped, case.build_model, wrap_paths, ctx,
                                      scratch_dir / f"{cell.cell_id}.{spec.kind}")
     if not is_writer:
         return None
