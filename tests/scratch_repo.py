@@ -78,8 +78,8 @@ def drop_grad_average(repo: Path) -> None:
 def scale_first_layer_init(repo: Path, factor: float = 1.5) -> None:
     """A change to the model math that sharding cannot see: the MLP's first layer starts larger."""
     edit(repo / "cases" / "catalog.py", r"^def _mlp\(\) -> nn\.Module:\n    return MLP\(_MLP_SIZES\)$",
-         "def _mlp() -> nn.Module:\n    model = MLP(_MLP_SIZES)\n    with torch.no_grad():\n"
-         f"        model.layers[0].weight.mul_({factor})\n    return model")
+         "def _mlp() -> nn.Module:\n    model = MLP(_MLP_SIZES)\n"
+         f"    model.layers[0].weight.data.mul_({factor})\n    return model")
 
 
 def repo_state(repo: Path) -> dict:
