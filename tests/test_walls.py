@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("harness", "cases", "impl")
 
 # Wall 1: what the judge and the reports, which read results, never import.
-MACHINERY = ("harness.run.orchestrate", "harness.run.launch", "harness.run.lifeline", "harness.fuzz.pool",
-             "harness.cli", "harness.ci")
+MACHINERY = ("harness.run.orchestrate", "harness.run.launch", "harness.run.lifeline", "harness.run.rank",
+             "harness.fuzz.pool", "harness.cli", "harness.ci")
 READERS = ("harness.judge", "harness.report")
 # Wall 2: the modules torchrun runs inside every rank (`-m`); no other module imports them.
 RANK_SIDE = ("harness.run.worker", "harness.fuzz.worker", "harness.bench.worker")

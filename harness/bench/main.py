@@ -16,14 +16,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from tabulate import tabulate
 
 from harness.bench import live_memory
-from harness.run.launch import LAUNCH_ID_VAR, free_port, kill_launch
+from harness.run.launch import Launch, TorchrunSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The seeds' figures for GPT-2 medium (they count 505M parameters): fp32 parameters per GPU
@@ -56,33 +55,16 @@ class BenchError(RuntimeError):
     pass
 
 
-def torchrun(world_size: int, args: list[str], threads: int, timeout_s: float, log: Path,
+def torchrun(world_size: int, args: list[str], threads: int, timeout_s: float, log_dir: Path,
              extra_env: dict[str, str] | None = None) -> float:
-    """Run `python -m <args>` in `world_size` ranks; return wall seconds; raise on failure."""
-    launch_id = uuid.uuid4().hex
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               **(extra_env or {}))
-    env[LAUNCH_ID_VAR] = launch_id
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={world_size}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", *args]
-    start = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = 124
-        finally:
-            kill_launch(launch_id)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    wall = time.monotonic() - start
-    if rc != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-        raise BenchError(f"bench launch W={world_size} {' '.join(args[:2])} exited {rc}:\n{tail}")
-    return wall
+    """Run `python -m <args>` in `world_size` ranks (harness/run/launch.py); return wall seconds;
+    raise BenchError with the ranks' tracebacks (their stacks on timeout) on failure."""
+    spec = TorchrunSpec(world_size, args[0], tuple(args[1:]), log_dir, timeout_s, threads,
+                        extra_env=tuple(sorted((extra_env or {}).items())))
+    result = Launch(spec).run()
+    if not result.ok:
+        raise BenchError(f"bench launch {' '.join(args[:2])}: {result.failure_text()}")
+    return result.wall_s
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
@@ -107,7 +89,7 @@ def _measure(cfg: BenchConfig, work: Path, progress) -> dict:
         progress(f"bench: step time and communication, ours vs fsdp2, W={w}")
         out = work / f"speed_w{w}.json"
         torchrun(w, ["harness.bench.worker", "speed", "--out", str(out), "--threads", str(cfg.threads), *smoke],
-                 cfg.threads, cfg.timeout_s, work / f"speed_w{w}.log")
+                 cfg.threads, cfg.timeout_s, work / f"speed_w{w}")
         result["speed"].extend(json.loads(out.read_text())["ranks"][0]["sizes"])
     config = "smoke" if cfg.smoke else "gpt2-small"
     for w in cfg.memory_world_sizes:
@@ -134,7 +116,7 @@ def _memory_launch(cfg: BenchConfig, work: Path, config: str, impl: str, world_s
     out = work / f"memory_{config}_{impl}_w{world_size}_as{as_world_size}{tag}.json"
     torchrun(world_size, ["harness.bench.worker", "memory", "--out", str(out), "--threads", str(cfg.threads),
                           "--impl", impl, "--config", config, "--as-world-size", str(as_world_size)],
-             cfg.threads, cfg.timeout_s, out.with_suffix(".log"), extra_env)
+             cfg.threads, cfg.timeout_s, out.with_suffix(""), extra_env)
     return json.loads(out.read_text())["ranks"]
 
 
@@ -183,7 +165,7 @@ def harness_throughput(cfg: BenchConfig, work: Path) -> dict:
     per cell, against the floor: one bare torchrun launch per world size."""
     world_sizes = (1, 2, 4, 8)
     floor = sum(torchrun(w, ["harness.bench.worker", "bare", "--out", str(work / f"bare{w}.json")],
-                         cfg.threads, cfg.timeout_s, work / f"bare{w}.log") for w in world_sizes)
+                         cfg.threads, cfg.timeout_s, work / f"bare{w}") for w in world_sizes)
     walls = {}
     for label, extra in (("batched", []), ("per_cell", ["--launch-per-cell"])):
         cmd = [sys.executable, "-m", "harness", "run", "--cases", "mlp,transformer", "--impls", "ours,fsdp2",

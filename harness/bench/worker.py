@@ -28,6 +28,7 @@ import impl
 from cases.models import TransformerConfig, TransformerLM, lm_loss
 from harness.bench import live_memory
 from harness.bench.live_memory import LiveMemory
+from harness.run.rank import rank_prologue
 
 # Two sizes for the step-time comparison: 0.93M and 5.27M parameters.
 SPEED_CONFIGS = (
@@ -339,9 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="gpt2-small")
     parser.add_argument("--as-world-size", type=int, default=1, help="impl=plain: the per-rank batch of this W")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ctx = rank_prologue(args.threads)
+    rank, world_size = ctx.rank, ctx.world_size
     modes = {"speed": run_speed, "memory": run_memory, "bare": lambda *_: {"world_size": world_size}}
     result = modes[args.mode](args, rank, world_size)
     per_rank = [None] * world_size

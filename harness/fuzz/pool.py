@@ -12,12 +12,7 @@ that raises `PoolLost` instead, which ends the fuzzing with one line.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -26,8 +21,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from harness.errors import PoolLost
-from harness.run.launch import (child_env, dump_rank_stacks, free_port, kill_launch, read_rank_logs,
-                                start_launcher)
+from harness.run.launch import Launch, TorchrunSpec
 from harness.run.outcome import EXTERNAL_SIGNALS, root_cause_signal
 from harness.run.snapshot import decode, encode
 
@@ -60,33 +54,26 @@ class RankPool:
         self.config = config
         self.num_starts = 0
         self.start_s = 0.0  # seconds spent starting pools, all restarts included
-        self._proc: subprocess.Popen | None = None
+        self._launch: Launch | None = None
         self._store: dist.TCPStore | None = None
-        self._launch_id = ""
         self._next = 0
-        self._log_dir: Path | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
         started = time.monotonic()
         cfg = self.config
-        self._log_dir = (cfg.log_dir / f"pool-{self.num_starts}").resolve()
-        self._log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir = (cfg.log_dir / f"pool-{self.num_starts}").resolve()
+        log_dir.mkdir(parents=True, exist_ok=True)
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=cfg.example_timeout_s))
-        config_file = self._log_dir / "pool.json"
+        config_file = log_dir / "pool.json"
         config_file.write_text(json.dumps({
             "host": "127.0.0.1", "port": self._store.port, "threads": cfg.threads,
             "collective_timeout_s": cfg.example_timeout_s, "idle_timeout_s": 24 * 3600,
         }))
-        self._launch_id = uuid.uuid4().hex
-        env = child_env(self._launch_id, cfg.threads)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-               f"--nproc-per-node={cfg.world_size}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-               f"--log-dir={self._log_dir / 'ranks'}", "--redirects=3",
-               "-m", "harness.fuzz.worker", str(config_file)]
-        self._launcher_log = open(self._log_dir / "torchrun.log", "wb")
-        self._proc = start_launcher(cmd, env, self._launcher_log)
+        self._launch = Launch(TorchrunSpec(cfg.world_size, "harness.fuzz.worker", (str(config_file),), log_dir,
+                                           timeout_s=None, threads=cfg.threads))
+        self._launch.start()
         self._next = 0
         self.num_starts += 1
         try:
@@ -95,32 +82,21 @@ class RankPool:
             self.start_s += time.monotonic() - started
 
     def close(self) -> None:
-        if self._proc is None:
+        if self._launch is None:
             return
-        if self._proc.poll() is None:
+        if self._launch.poll() is None:
             try:
                 self._store.set(f"req/{self._next}", encode({"stop": True}))
-                self._proc.wait(timeout=10)
+                self._launch.wait(10)
             except Exception:  # a stuck or dead pool is killed below either way
                 pass
         self._kill()
 
     def _kill(self) -> None:
-        if self._proc is None:
+        if self._launch is None:
             return
-        if self._proc.poll() is None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        kill_launch(self._launch_id)
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._launcher_log.close()
-        self._proc, self._store = None, None
+        self._launch.kill()
+        self._launch, self._store = None, None
 
     def __enter__(self) -> RankPool:
         self.start()
@@ -130,47 +106,41 @@ class RankPool:
         self.close()
 
     # -- requests -----------------------------------------------------------------------------------
-    def _failure_text(self, what: str) -> str:
-        logs = read_rank_logs(self._log_dir / "ranks", self.config.world_size)
-        blocks = [log.prefixed(40) for log in logs if "Traceback" in log.stderr or "Thread 0x" in log.stderr]
-        if not blocks:
-            tail = (self._log_dir / "torchrun.log").read_text(errors="replace").splitlines()[-20:]
-            blocks = ["\n".join(f"[torchrun] {line}" for line in tail)]
-        return f"pool W={self.config.world_size}: {what}\n" + "\n".join(blocks)
-
     def _wait(self, keys: list[str], timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             if self._store.check(keys):
                 return
             time.sleep(POLL_S)
-            if self._proc.poll() is not None:
-                self._fail(self._failure_text(f"{what}: torchrun exited {self._proc.returncode}"))
+            if self._launch.poll() is not None:
+                self._fail(self._launch.failure_text(
+                    f"pool W={self.config.world_size}: {what}: torchrun exited {self._launch.returncode}"))
             if time.monotonic() > deadline:
-                dump_rank_stacks(self._launch_id)
-                self._fail(self._failure_text(f"{what}: no reply after {timeout_s:.0f}s (stacks below)"))
+                self._launch.dump_stacks()
+                self._fail(self._launch.failure_text(
+                    f"pool W={self.config.world_size}: {what}: no reply after {timeout_s:.0f}s (stacks below)"))
 
     def _fail(self, text: str, grace_s: float = 0.0) -> NoReturn:
         """Tear the pool down and raise PoolLost when torchrun names a rank ended by a signal from
         outside the run as the first failure, else ExampleError(text). A rank that replied with
         an error may be one whose peer was killed: torchrun gets `grace_s` to notice that."""
         deadline = time.monotonic() + grace_s
-        while self._proc.poll() is None and time.monotonic() < deadline:
+        while self._launch.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         cause = None
-        if self._proc.poll() is not None:
-            self._launcher_log.flush()
-            cause = root_cause_signal((self._log_dir / "torchrun.log").read_text(errors="replace"))
+        if self._launch.poll() is not None:
+            cause = root_cause_signal(self._launch.launcher_output())
+        log_dir = self._launch.log_dir
         self._kill()
         if cause is not None and cause[1] in EXTERNAL_SIGNALS:
             raise PoolLost(f"pool W={self.config.world_size}: rank {cause[0]} was ended by {cause[1]} from outside "
                            f"the run (killed, or out of memory); no example was judged, so there is no verdict "
-                           f"(rank logs: {self._log_dir})")
+                           f"(rank logs: {log_dir})")
         raise ExampleError(text)
 
     def run(self, request: dict) -> list[dict]:
         """Every rank's reply to one request, in rank order; ExampleError if any rank failed."""
-        if self._proc is None:
+        if self._launch is None:
             self.start()
         i = self._next
         self._next += 1
@@ -189,7 +159,7 @@ class RankPool:
             errors = [r["error"] for r in answered if "error" in r]
             if errors:
                 self._fail("\n".join(errors), grace_s=LOST_GRACE_S)
-            if self._proc.poll() is not None or time.monotonic() > deadline:
+            if self._launch.poll() is not None or time.monotonic() > deadline:
                 self._wait(keys, 0.0, f"request {i}")  # raises with the ranks' logs
         replies = [decode(self._store.get(k)) for k in keys]
         errors = [r["error"] for r in replies if "error" in r]

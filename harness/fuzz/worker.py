@@ -10,9 +10,7 @@ restarts the pool, since the other ranks may be stuck in a collective.
 
 from __future__ import annotations
 
-import faulthandler
 import json
-import signal
 import sys
 import time
 import traceback
@@ -25,10 +23,10 @@ import torch.distributed as dist
 
 from cases.data import local_batch
 from harness.fuzz.spec import ModelSpec, as_case
-from harness.run import lifeline
 from harness.adapters.base import RankContext
 from harness.adapters.ours import Ours
 from harness.judge.shadow import forward_backward
+from harness.run.rank import rank_prologue
 from harness.run.snapshot import decode, encode
 
 
@@ -77,13 +75,8 @@ def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.T
 
 
 def main(argv: list[str]) -> int:
-    lifeline.rank_prologue()  # dies with torchrun and with the harness, SIGKILL included
-    faulthandler.enable()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = json.loads(Path(argv[1]).read_text())
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["collective_timeout_s"]))
-    ctx = RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+    ctx = rank_prologue(cfg["threads"], collective_timeout_s=cfg["collective_timeout_s"])
     store = dist.TCPStore(cfg["host"], cfg["port"], is_master=False,
                           timeout=timedelta(seconds=cfg["idle_timeout_s"]))
     store.set(f"ready/{ctx.rank}", "1")

@@ -1,16 +1,19 @@
-"""One torchrun launch per world size: a free port, a timeout, per-rank logs, no survivors.
+"""The one launcher: a torchrun of W ranks on this host, with a timeout, per-rank logs, stack dumps
+and no survivors. Every verb launches through it: run (one launch per world size), the fuzz and
+mutants pool (a persistent launch fed through a TCPStore) and bench.
 
 Every process of a launch carries `HARNESS_LAUNCH_ID=<uuid>` in its environment. On timeout the
-ranks (the processes that also carry LOCAL_RANK) get SIGUSR1, on which the worker's faulthandler
-dumps every thread's stack into that rank's log; then every process carrying the id is killed.
-The same scan runs after every launch, so no process outlives the run even if torchrun dies
-first (its ranks run in sessions of their own, so killing torchrun's group alone is not enough).
-When the harness itself is killed, torchrun and the ranks end themselves ([Note: No survivors]
-in harness/run/lifeline.py).
+ranks (the processes that also carry LOCAL_RANK) get SIGUSR1, on which the rank's faulthandler
+(harness/run/rank.py) dumps every thread's stack into that rank's log; then every process
+carrying the id is killed. The same scan runs after every launch, so no process outlives the run
+even if torchrun dies first (its ranks run in sessions of their own, so killing torchrun's group
+alone is not enough). When the harness itself is killed, torchrun and the ranks end themselves
+([Note: No survivors] in harness/run/lifeline.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -18,39 +21,196 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from harness.run import lifeline
-from harness.run.outcome import LaunchResult, RankLog
+from harness.run.outcome import LaunchResult, RankLog, failure_blocks
 from harness.run.plan import Cell, RunPlan, write_launch_plan
 
 LAUNCH_ID_VAR = "HARNESS_LAUNCH_ID"
 STACK_DUMP_GRACE_S = 1.5
+POLL_S = 0.2
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def child_env(launch_id: str, threads: int, extra_pythonpath: tuple[str, ...] = ()) -> dict[str, str]:
+@dataclass(frozen=True)
+class TorchrunSpec:
+    """`python -m <module> <args>` in each of `world_size` ranks of one torchrun on this host.
+
+    The backend and device are not here: a rank reads them from the configuration file its args
+    name (the launch plan's Cells, the pool's config), the only configuration a rank reads."""
+
+    world_size: int
+    module: str
+    args: tuple[str, ...]
+    log_dir: Path  # torchrun.log and ranks/<attempt>/<rank>/{stdout,stderr}.log
+    timeout_s: float | None  # None: the caller polls and decides (the fuzz pool: per request)
+    threads: int = 1  # intra-op threads per rank
+    extra_pythonpath: tuple[str, ...] = ()  # directories of a user's --impls / --cases files
+    extra_env: tuple[tuple[str, str], ...] = ()  # (name, value) set in the ranks' environment (bench)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.threads < 1:
+            raise ValueError(f"TorchrunSpec world_size={self.world_size} threads={self.threads} must be >= 1")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"TorchrunSpec timeout_s={self.timeout_s} must be > 0 or None")
+
+
+class Launch:
+    """One torchrun: start, poll, dump the ranks' stacks, kill (idempotent), read the logs.
+
+    `run()` does all of it for a launch that ends by itself; a caller that talks to its ranks
+    while they run (the fuzz pool) calls the pieces and `kill()` when done."""
+
+    def __init__(self, spec: TorchrunSpec) -> None:
+        self.spec = spec
+        self.launch_id = uuid.uuid4().hex
+        self.log_dir = spec.log_dir.resolve()
+        self.started_at = 0.0  # time.monotonic() at start()
+        self.leftover_processes_killed = 0
+        self._proc: subprocess.Popen | None = None
+        self._launcher_log = None
+
+    def start(self) -> None:
+        spec = self.spec
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes=1", f"--nproc-per-node={spec.world_size}",
+            "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+            f"--log-dir={self.log_dir / 'ranks'}", "--redirects=3",
+            "-m", spec.module, *spec.args,
+        ]
+        self._launcher_log = open(self.log_dir / "torchrun.log", "wb")
+        self.started_at = time.monotonic()
+        # torchrun in a session of its own (the group kill), dying with this process (SIGKILL included).
+        self._proc = subprocess.Popen(cmd, env=_child_env(self.launch_id, spec.threads, spec.extra_pythonpath, spec.extra_env),
+                                      stdout=self._launcher_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True, preexec_fn=lifeline.child_preexec)
+
+    def poll(self) -> int | None:
+        """torchrun's exit status, or None while it runs."""
+        return self._proc.poll()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether torchrun exited within `timeout_s`."""
+        try:
+            self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def dump_stacks(self) -> None:
+        """SIGUSR1 to every rank (the processes that carry LOCAL_RANK): each writes every
+        thread's stack into its log; then the time to write them."""
+        _signal_all(_processes_with(self.launch_id, also="LOCAL_RANK="), signal.SIGUSR1)
+        time.sleep(STACK_DUMP_GRACE_S)
+
+    def kill(self) -> None:
+        """End torchrun's group, then every process of the launch; safe to call twice."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        self.leftover_processes_killed += _kill_launch(self.launch_id)
+        if not self.wait(10):
+            self._proc.kill()
+            self._proc.wait()
+        if not self._launcher_log.closed:
+            self._launcher_log.close()
+
+    def rank_logs(self) -> tuple[RankLog, ...]:
+        return _read_rank_logs(self.log_dir / "ranks", self.spec.world_size)
+
+    def launcher_output(self) -> str:
+        if not self._launcher_log.closed:
+            self._launcher_log.flush()
+        return (self.log_dir / "torchrun.log").read_text(errors="replace")
+
+    def failure_text(self, head: str) -> str:
+        """`head`, then each rank's traceback or stacks as one prefixed block (torchrun's tail if none)."""
+        return head + "\n" + failure_blocks(self.rank_logs(), self.launcher_output(), stacks=True)
+
+    def run(self, on_poll: Callable[[], None] | None = None) -> LaunchResult:
+        """Start, wait for the end or the timeout (stacks dumped), kill what is left; never raises
+        for a rank's failure."""
+        self.start()
+        timed_out = False
+        try:
+            while self.poll() is None:
+                if self.spec.timeout_s is not None and time.monotonic() - self.started_at > self.spec.timeout_s:
+                    timed_out = True
+                    self.dump_stacks()
+                    break
+                if on_poll is not None:
+                    on_poll()
+                time.sleep(POLL_S)
+        finally:
+            self.kill()
+        return LaunchResult(
+            world_size=self.spec.world_size,
+            cell_ids=(),
+            returncode=self.returncode if not timed_out else 124,
+            timed_out=timed_out,
+            wall_s=time.monotonic() - self.started_at,
+            rank_logs=self.rank_logs(),
+            launcher_output=self.launcher_output(),
+            log_dir=self.log_dir,
+            leftover_processes_killed=self.leftover_processes_killed,
+        )
+
+    def __enter__(self) -> Launch:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+
+def launch(
+    plan: RunPlan,
+    world_size: int,
+    cells: tuple[Cell, ...],
+    label: str,
+    on_poll: Callable[[], None] | None = None,
+) -> LaunchResult:
+    """Run `cells` in one torchrun of `world_size` ranks (harness/run/worker.py); never raises for a
+    rank's failure."""
+    log_dir = plan.log_dir / label
+    log_dir.mkdir(parents=True, exist_ok=True)
+    plan_file = (log_dir / "plan.json").resolve()
+    write_launch_plan(plan_file, plan, world_size, cells)
+    spec = TorchrunSpec(world_size, "harness.run.worker", (str(plan_file),), log_dir, plan.timeout_s, plan.threads,
+                        plan.extra_pythonpath)
+    result = Launch(spec).run(on_poll)
+    return dataclasses.replace(result, cell_ids=tuple(c.cell_id for c in cells))
+
+
+def _child_env(launch_id: str, threads: int, extra_pythonpath: tuple[str, ...] = (),
+               extra_env: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
     """The environment of a launch's torchrun and ranks: pinned threads, the project on the path,
     the launch marker and the harness process they must die with."""
-    repo_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
+    env = dict(os.environ, **dict(extra_env))
     env.update({
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
-        "PYTHONPATH": os.pathsep.join([repo_root, *extra_pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *extra_pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         LAUNCH_ID_VAR: launch_id,
         lifeline.PARENT_VAR: lifeline.token(),
     })
     return env
 
 
-def start_launcher(cmd: list[str], env: dict[str, str], log) -> subprocess.Popen:
-    """torchrun in a session of its own (the group kill), dying with this process (SIGKILL included)."""
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=lifeline.child_preexec)
-
-
-def free_port() -> int:
+def _free_port() -> int:
     """A port the kernel just handed out; parallel runs each get their own."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -81,7 +241,7 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def kill_launch(launch_id: str, grace_s: float = 1.0) -> int:
+def _kill_launch(launch_id: str, grace_s: float = 1.0) -> int:
     """SIGTERM then SIGKILL every process of the launch; returns how many were found."""
     pids = _processes_with(launch_id)
     if not pids:
@@ -97,14 +257,7 @@ def kill_launch(launch_id: str, grace_s: float = 1.0) -> int:
     return len(pids)
 
 
-def dump_rank_stacks(launch_id: str) -> None:
-    """SIGUSR1 to every rank of the launch (the processes that carry LOCAL_RANK), on which the
-    rank's faulthandler writes every thread's stack into its log; then the time to write them."""
-    _signal_all(_processes_with(launch_id, also="LOCAL_RANK="), signal.SIGUSR1)
-    time.sleep(STACK_DUMP_GRACE_S)
-
-
-def read_rank_logs(log_dir: Path, world_size: int) -> tuple[RankLog, ...]:
+def _read_rank_logs(log_dir: Path, world_size: int) -> tuple[RankLog, ...]:
     logs = []
     for rank in range(world_size):
         texts = {}
@@ -113,63 +266,3 @@ def read_rank_logs(log_dir: Path, world_size: int) -> tuple[RankLog, ...]:
             texts[stream] = found[-1].read_text(errors="replace") if found else ""
         logs.append(RankLog(rank, texts["stdout"], texts["stderr"]))
     return tuple(logs)
-
-
-def launch(
-    plan: RunPlan,
-    world_size: int,
-    cells: tuple[Cell, ...],
-    label: str,
-    on_poll: Callable[[], None] | None = None,
-) -> LaunchResult:
-    """Run `cells` in one torchrun of `world_size` ranks; never raises for a rank's failure."""
-    log_dir = (plan.log_dir / label).resolve()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    plan_file = log_dir / "plan.json"
-    write_launch_plan(plan_file, plan, world_size, cells)
-    launch_id = uuid.uuid4().hex
-    env = child_env(launch_id, plan.threads, plan.extra_pythonpath)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes=1", f"--nproc-per-node={world_size}",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        f"--log-dir={log_dir / 'ranks'}", "--redirects=3",
-        "-m", "harness.run.worker", str(plan_file),
-    ]
-    start = time.monotonic()
-    timed_out = False
-    with open(log_dir / "torchrun.log", "wb") as launcher_log:
-        proc = start_launcher(cmd, env, launcher_log)
-        try:
-            while proc.poll() is None:
-                if time.monotonic() - start > plan.timeout_s:
-                    timed_out = True
-                    dump_rank_stacks(launch_id)
-                    break
-                if on_poll is not None:
-                    on_poll()
-                time.sleep(0.2)
-        finally:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            leftovers = kill_launch(launch_id)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    wall_s = time.monotonic() - start
-    return LaunchResult(
-        world_size=world_size,
-        cell_ids=tuple(c.cell_id for c in cells),
-        returncode=proc.returncode if not timed_out else 124,
-        timed_out=timed_out,
-        wall_s=wall_s,
-        rank_logs=read_rank_logs(log_dir / "ranks", world_size),
-        launcher_output=(log_dir / "torchrun.log").read_text(errors="replace"),
-        log_dir=log_dir,
-        leftover_processes_killed=leftovers,
-    )

@@ -6,7 +6,7 @@
   running launch kills its processes (harness/run/launch.py) and bisect removes its worktree.
 - SIGKILL of the harness cannot be caught, so the children arrange their own end: torchrun is
   started with a parent-death signal (SIGKILL when the harness dies); every rank sets one in its
-  prologue (SIGKILL when torchrun dies) and runs a watchdog thread that ends the rank when the
+  prologue (harness/run/rank.py; SIGKILL when torchrun dies) and runs a watchdog thread that ends the rank when the
   harness process named in PARENT_VAR is gone, which also covers a rank whose launcher died
   before the rank could set its own death signal.
 """
@@ -66,7 +66,7 @@ def child_preexec() -> None:
     set_death_signal(signal.SIGKILL)
 
 
-def rank_prologue() -> None:
+def die_with_launch() -> None:
     """The first thing a rank does: die with its launcher and with the harness (see the Note)."""
     set_death_signal(signal.SIGKILL)
     parent = os.environ.get(PARENT_VAR)

@@ -48,11 +48,7 @@ class LaunchResult:
         root = self.first_failed_rank()
         if root is not None:
             head += f"; first failure: rank {root}"
-        blocks = [log.prefixed() for log in self.rank_logs if is_informative(log, self.timed_out)]
-        if not blocks:
-            tail = "\n".join(self.launcher_output.rstrip().splitlines()[-30:])
-            blocks = ["\n".join(f"[torchrun] {line}" for line in tail.splitlines())]
-        return head + "\n" + "\n".join(blocks)
+        return head + "\n" + failure_blocks(self.rank_logs, self.launcher_output, stacks=self.timed_out)
 
     def first_failed_rank(self) -> int | None:
         """The rank torchrun names as the root cause (first observed failure), if any."""
@@ -86,9 +82,9 @@ def root_cause_signal(launcher_output: str) -> tuple[int, str] | None:
     return int(rank.group(1)), name
 
 
-def is_informative(log: RankLog, timed_out: bool) -> bool:
+def is_informative(log: RankLog, stacks: bool) -> bool:
     text = log.stderr
-    return ("Traceback" in text) or (timed_out and ("Thread 0x" in text or "Current thread" in text))
+    return ("Traceback" in text) or (stacks and ("Thread 0x" in text or "Current thread" in text))
 
 
 @dataclass
@@ -100,3 +96,13 @@ class RunOutcome:
     # cell_id -> seconds the cell ran in its launch's ranks (its completion record); a cell that
     # broke its launch gets the launch's time after the cells completed before it, one never run 0.
     cell_wall_s: dict[str, float] = field(default_factory=dict)
+
+
+def failure_blocks(rank_logs: tuple[RankLog, ...], launcher_output: str, stacks: bool) -> str:
+    """One prefixed block per rank that said something useful (a traceback; its stacks when they
+    were dumped), or torchrun's own tail when none did."""
+    blocks = [log.prefixed() for log in rank_logs if is_informative(log, stacks)]
+    if not blocks:
+        tail = launcher_output.rstrip().splitlines()[-30:]
+        blocks = ["\n".join(f"[torchrun] {line}" for line in tail)]
+    return "\n".join(blocks)

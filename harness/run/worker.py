@@ -8,11 +8,8 @@ variables it reads are torchrun's own (RANK, WORLD_SIZE, MASTER_*).
 
 from __future__ import annotations
 
-import faulthandler
 import hashlib
 import json
-import os
-import signal
 import sys
 import time
 from dataclasses import replace
@@ -25,11 +22,11 @@ import torch.nn as nn
 from cases.catalog import Case, OptimizerSpec, get_case
 from cases.data import local_batch, map_tensors
 from cases.features import PLAIN
-from harness.run import lifeline
 from harness.adapters.features import apply_activation_checkpointing
 from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run.plan import Cell
+from harness.run.rank import rank_prologue
 from harness.judge.shadow import Shadow
 from harness.run.snapshot import FORMAT, complete_path, load_state, save_snapshot, snapshot_path, write_atomic_text
 from harness.judge.tolerance import NUM_PERTURBED_RUNS
@@ -247,23 +244,8 @@ def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.T
 
 
 def main(argv: list[str]) -> int:
-    lifeline.rank_prologue()  # dies with torchrun and with the harness, SIGKILL included
-    faulthandler.enable()
-    # On the parent's timeout a hung rank gets SIGUSR1 and dumps every thread's stack to stderr.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     plan = json.loads(Path(argv[1]).read_text())
-    torch.set_num_threads(plan["threads"])
-    backend, device = plan.get("backend", "gloo"), torch.device("cpu")
-    if plan.get("device", "cpu") == "cuda":  # one rank per GPU of this node
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        # The shadow replays each rank's local computation bitwise (docs/error_model.md): kernels
-        # must not depend on atomics or autotuning.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    dist.init_process_group(backend)
-    world = RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, device)
+    world = rank_prologue(plan["threads"], plan.get("backend", "gloo"), plan.get("device", "cpu"))
     if world.world_size != plan["world_size"]:
         raise RuntimeError(f"rank {world.rank}: WORLD_SIZE={world.world_size} but the plan is for {plan['world_size']}")
     cells = [Cell.from_json(c) for c in plan["cells"]]

@@ -1,0 +1,81 @@
+"""Slow tier: the one launcher (harness/run/launch.py) that run, fuzz, mutants and bench share.
+
+A rank that raises is named with its traceback, a hung launch ends at its timeout with every
+rank's stacks, and no process of the launch survives either; bench reports a failed launch the
+same way (it had a launcher of its own that printed torchrun's tail and no rank's traceback).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from harness.bench.main import BenchError, torchrun
+from harness.run.launch import LAUNCH_ID_VAR, Launch, TorchrunSpec
+
+pytestmark = pytest.mark.slow
+
+RANK_SCRIPTS = str(Path(__file__).resolve().parent / "rank_scripts")
+# The hang must be a timeout, not slowness: a launch of two ranks finishes in seconds, the
+# timeout leaves minutes for a loaded 2-core machine.
+HANG_TIMEOUT_S = 120.0
+LAUNCH_TIMEOUT_S = 900.0
+
+
+def _processes_of(launch_id: str) -> list[int]:
+    marker = f"{LAUNCH_ID_VAR}={launch_id}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if marker in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def _launch(tmp_path: Path, mode: str, timeout_s: float) -> tuple[Launch, object]:
+    spec = TorchrunSpec(2, "launch_probe", (mode,), tmp_path / mode, timeout_s, threads=1,
+                        extra_pythonpath=(RANK_SCRIPTS,))
+    launch = Launch(spec)
+    return launch, launch.run()
+
+
+def test_an_honest_launch_succeeds_and_leaves_nothing(tmp_path):
+    launch, result = _launch(tmp_path, "ok", LAUNCH_TIMEOUT_S)
+    assert result.ok, result.failure_text()
+    assert [("rank 0 of 2 done" in log.stdout, "rank 1 of 2 done" in log.stdout) for log in result.rank_logs] == \
+        [(True, False), (False, True)]
+    assert _processes_of(launch.launch_id) == []
+
+
+def test_a_rank_that_raises_is_named_with_its_traceback_and_nothing_survives(tmp_path):
+    launch, result = _launch(tmp_path, "crash", LAUNCH_TIMEOUT_S)
+    assert not result.ok and not result.timed_out and result.returncode != 0
+    text = result.failure_text()
+    assert text.startswith(f"launch W=2 exited {result.returncode}; first failure: rank 1\n"), text
+    assert "[rank 1] Traceback" in text and "[rank 1] RuntimeError: planted crash on rank 1" in text, text
+    assert _processes_of(launch.launch_id) == []
+
+
+def test_a_hung_launch_times_out_with_every_ranks_stack_and_nothing_survives(tmp_path):
+    launch, result = _launch(tmp_path, "hang", HANG_TIMEOUT_S)
+    assert result.timed_out and result.returncode == 124
+    text = result.failure_text()
+    assert text.startswith("launch W=2 timed out after"), text
+    # faulthandler's dump (rank prologue, SIGUSR1 from the launcher): the barrier and the sleep.
+    assert "[rank 0] " in text and "in barrier" in text, text
+    assert "[rank 1] " in text and "in main" in text and "launch_probe.py" in text, text
+    assert _processes_of(launch.launch_id) == []
+
+
+def test_bench_reports_a_failed_launch_with_the_ranks_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([RANK_SCRIPTS, os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(BenchError) as failed:
+        torchrun(2, ["launch_probe", "crash"], 1, LAUNCH_TIMEOUT_S, tmp_path / "bench")
+    text = str(failed.value)
+    assert text.startswith("bench launch launch_probe crash: launch W=2 exited"), text
+    assert "[rank 1] RuntimeError: planted crash on rank 1" in text, text
