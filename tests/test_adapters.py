@@ -206,3 +206,24 @@ def test_builtin_fsdp1_variants_are_named_by_their_strategy():
                            ("fsdp1_no_shard", "NO_SHARD"), ("fsdp1_hybrid", "HYBRID_SHARD")):
         adapter = resolve_impl(name)
         assert (adapter.name, adapter.strategy) == (name, strategy)
+
+
+def test_the_deepspeed_config_states_clipping_and_precision_explicitly():
+    from harness.adapters.deepspeed import deepspeed_config
+
+    config = deepspeed_config(stage=3, world_size=4)
+    assert config["gradient_clipping"] == 0.0  # DeepSpeed never clips unless a case asks for it
+    assert config["fp16"] == {"enabled": False} and config["bf16"] == {"enabled": False}
+    assert config["communication_data_type"] == "fp32" and config["prescale_gradients"] is False
+    assert config["train_batch_size"] == 4 and config["zero_optimization"]["stage"] == 3
+    reason = resolve_impl("deepspeed_zero3").unsupported(get_case("clip_grad_norm").features)
+    assert "clip_norm_type=2.0" in reason and "clip_max_norm" in reason, reason
+
+
+def test_deepspeed_missing_is_a_skip_reason_not_a_crash(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    assert resolve_impl("deepspeed_zero1").unsupported(get_case("mlp").features) == \
+        "deepspeed is not installed (pip install -e .[deepspeed])"

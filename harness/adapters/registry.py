@@ -9,13 +9,14 @@ from typing import Callable
 
 from harness.adapters.base import NAME_PATTERN, Adapter
 from harness.adapters.ddp import DDP
+from harness.adapters.deepspeed import DEEPSPEED_VARIANTS
 from harness.adapters.fsdp1 import FSDP1_VARIANTS
 from harness.adapters.fsdp2 import FSDP2
 from harness.adapters.ours import Ours
 from harness.adapters.single import Single
 
 BUILTIN_IMPLS: dict[str, Callable[[], Adapter]] = {
-    "ours": Ours, "fsdp2": FSDP2, **FSDP1_VARIANTS, "ddp": DDP, "single": Single,
+    "ours": Ours, "fsdp2": FSDP2, **FSDP1_VARIANTS, **DEEPSPEED_VARIANTS, "ddp": DDP, "single": Single,
 }
 
 

@@ -59,26 +59,32 @@ def _gather_step_evidence(loss: torch.Tensor, raws: list[RawShard], digests: lis
     A shard's number of padding intervals differs between ranks (alignment gaps fall into some
     shards only), so a first small all-gather agrees on each key's maximum count; each rank then
     sends that many intervals per key, the missing ones as empty [0, 0), which are dropped.
+    The same all-gather agrees on which shard gradients every rank has: torch FSDP1 leaves the
+    gradient of a shard that is all padding None, so such a key records no shard gradients.
     """
-    counts = torch.tensor([len(raw.padding_intervals) for raw in raws], dtype=torch.float64, device=loss.device)
-    capacity = _all_gather_rows(counts, ctx).amax(dim=0).long().tolist() if raws else []
+    num = len(raws)
+    counts = torch.tensor([len(raw.padding_intervals) for raw in raws] + [raw.grad is not None for raw in raws],
+                          dtype=torch.float64, device=loss.device)
+    agreed = _all_gather_rows(counts, ctx) if raws else torch.zeros(1, 0)
+    capacity = agreed[:, :num].amax(dim=0).long().tolist()
+    every_grad = agreed[:, num:].amin(dim=0).bool().tolist()  # every rank has this shard's gradient
     parts = [loss.detach().double().reshape(1), torch.tensor(digests, dtype=torch.float64, device=loss.device)]
-    for raw, cap in zip(raws, capacity):
+    for raw, cap, has_grad in zip(raws, capacity, every_grad):
         intervals = list(raw.padding_intervals) + [(0, 0)] * (cap - len(raw.padding_intervals))
         parts += [raw.data.double(), torch.tensor(intervals, dtype=torch.float64, device=loss.device).reshape(-1)]
-        if raw.grad is not None:
+        if has_grad:
             parts.append(raw.grad.double())
     rows = _all_gather_rows(torch.cat(parts), ctx).cpu()  # (W, n); fp32 values are exact in fp64
     losses = rows[:, 0].to(loss.dtype)
     replica_digests = rows[:, 1 : 1 + len(digests)].long()
     shards, shard_grads, padding_intervals, at = {}, {}, {}, 1 + len(digests)
-    for raw, cap in zip(raws, capacity):
+    for raw, cap, has_grad in zip(raws, capacity, every_grad):
         n = raw.data.numel()
         shards[raw.key] = rows[:, at : at + n].to(raw.data.dtype)
         per_rank = rows[:, at + n : at + n + 2 * cap].long().view(ctx.world_size, cap, 2).tolist()
         padding_intervals[raw.key] = [[[a, b] for a, b in ivs if b > a] for ivs in per_rank]
         at += n + 2 * cap
-        if raw.grad is not None:
+        if has_grad:
             shard_grads[raw.key] = rows[:, at : at + n].to(raw.grad.dtype)
             at += n
     return losses, replica_digests, shards, shard_grads, padding_intervals
