@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import shlex
 import signal
 import sys
@@ -251,7 +252,9 @@ def cmd_baseline_record(args) -> int:
 
 
 def _add_search_verbs(verbs) -> None:
-    fuzz = verbs.add_parser("fuzz", help="hypothesis-drawn models through a persistent pool of W ranks (impl=ours)")
+    fuzz = verbs.add_parser("fuzz", help="hypothesis-drawn models through a persistent pool of W ranks")
+    fuzz.add_argument("--impls", default="ours", help="implementations fuzzed one after the other, each a built-in "
+                      "name or a user's 'module:Class' / 'file.py:Class' (default ours)")
     fuzz.add_argument("--world-size", type=int, default=4, help="ranks in the pool (default 4)")
     fuzz.add_argument("--max-examples", type=int, default=40, help="examples hypothesis generates (default 40)")
     fuzz.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
@@ -292,9 +295,13 @@ def cmd_fuzz_or_mutants(args) -> int:
     if args.verb == "fuzz":
         from harness.fuzz.main import main as fuzz_main
 
-        ok = fuzz_main(args.world_size, args.max_examples, args.seed,
-                       parse_csv(args.faults, "faults") if args.faults else (), args.replay,
-                       _out_dir(args.out), args.threads, args.example_timeout)
+        impls = parse_csv(args.impls, "impls")
+        ok = True
+        for impl in impls:  # every implementation gets its own pool (and its own logs with several)
+            out_dir = _out_dir(args.out) if len(impls) == 1 else _out_dir(args.out) / re.sub(r"\W+", "_", impl)
+            ok = fuzz_main(args.world_size, args.max_examples, args.seed,
+                           parse_csv(args.faults, "faults") if args.faults else (), args.replay,
+                           out_dir, args.threads, args.example_timeout, impl=impl) and ok
     else:
         from harness.ci.mutants import main as mutants_main
 

@@ -25,13 +25,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from cases.features import DTYPES, PLAIN, Features
-from harness.adapters.base import Adapter, Padding, RawShard, feature_fields, plain_name
-
-# The features this adapter maps onto FSDP1 arguments (the rest are refused with their names).
-_MAPPED = ("param_dtype", "reduce_dtype", "activation_checkpointing", "grad_accum", "clip_norm_type",
-           "clip_max_norm")
-
+from harness.adapters.base import Adapter, Padding, RawShard, plain_name
 
 class FSDP1(Adapter):
     name = "fsdp1"
@@ -41,44 +35,22 @@ class FSDP1(Adapter):
     def __init__(self, strategy: str = "FULL_SHARD", name: str = "fsdp1") -> None:
         self.strategy = strategy
         self.name = name
-        self._no_sync = None  # the open no_sync() context during gradient accumulation
-
-    def unsupported(self, features: Features) -> str | None:
-        unmapped = [f for f in feature_fields(features) if f.split("=")[0] not in _MAPPED]
-        if unmapped:
-            return f"the fsdp1 adapter does not map {', '.join(unmapped)}"
-        return None
 
     def wrap(self, model, wrap_paths, ctx):
-        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-        features = ctx.features
+        # Features are not mapped yet: Adapter.unsupported skips every feature case, naming them.
         kwargs = {"sharding_strategy": ShardingStrategy[self.strategy], "use_orig_params": True,
                   "device_id": ctx.device}
         if self.strategy == "HYBRID_SHARD":
             kwargs["device_mesh"] = _hybrid_mesh(ctx.world_size, ctx.device.type)
         else:
             kwargs["process_group"] = ctx.group
-        if features.mixed_precision:
-            kwargs["mixed_precision"] = MixedPrecision(
-                param_dtype=DTYPES[features.param_dtype],
-                reduce_dtype=DTYPES[features.reduce_dtype] if features.reduce_dtype else torch.float32)
         for path in wrap_paths:
             parent, _, attr = path.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
             setattr(owner, attr, FullyShardedDataParallel(model.get_submodule(path), **kwargs))
         return FullyShardedDataParallel(model, **kwargs)
-
-    def set_gradient_sync(self, model, enabled):
-        if not enabled and self._no_sync is None:
-            self._no_sync = model.no_sync()
-            self._no_sync.__enter__()
-        elif enabled and self._no_sync is not None:
-            self._no_sync.__exit__(None, None, None)
-            self._no_sync = None
-
-    def clip_grad_norm(self, model, max_norm, norm_type):
-        model.clip_grad_norm_(max_norm, norm_type)
 
     def layouts(self, model):
         out = {}

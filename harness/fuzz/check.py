@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.adapters.ours import Ours
+from harness.adapters.registry import resolve_impl
 from harness.judge.diff import CHECK_ORDER, Violation, check_snapshot
 from harness.judge.layouts import assemble_flat
 from harness.fuzz.pool import ExampleError, RankPool
@@ -30,6 +31,7 @@ class ExampleResult:
     violations: list[Violation] = field(default_factory=list)
     margins: dict[str, float] = field(default_factory=dict)  # check -> max |diff| / tol
     error: str | None = None  # a rank raised, died or hung
+    refused: str | None = None  # the implementation refused the model with a clear ValueError at wrap
     rank_s: float = 0.0  # the slowest rank's time on the example (training and snapshots)
     checks: dict[str, dict] = field(default_factory=dict)  # check -> what it compared (CheckStats.summary)
     aligned_numels: dict[str, int] = field(default_factory=dict)  # flat key -> numel the sharding divides
@@ -65,6 +67,26 @@ def _full(stacked: dict[str, torch.Tensor], name_layouts: dict, sizes: dict[str,
         if rows is not None and name in sizes:
             out[name] = assemble_flat(layout, rows, sizes[name]).clone()
     return out
+
+
+def assemble_full_snapshot(spec: ModelSpec, impl: str, replies: list[dict], init: dict[str, torch.Tensor]) -> dict:
+    """The snapshot of an adapter's run from rank 0's full tensors (no raw shards, no layouts)."""
+    case = as_case(spec)
+    adapter = resolve_impl(impl)
+    shadow = Shadow(case, spec.optimizer, init, num_micro=spec.accumulation)
+    steps, params_before, rank0 = [], replies[0]["init"], replies[0]
+    for t in range(spec.steps):
+        batch = case.make_batch(case.seed, t + 1, case.global_batch)
+        steps.append({"step": t + 1, "loss": torch.stack([r["loss"][t] for r in replies]),
+                      "grads": rank0["grads"][t], "params": rank0["data"][t], "shards": {}, "shard_grads": {},
+                      "padding_intervals": {}, "replicas": None,
+                      "shadow": shadow.step(params_before, batch, spec.data_mode, spec.world_size)})
+        params_before = rank0["data"][t]
+    cell = Cell("fuzz", impl, spec.world_size, spec.data_mode, spec.steps, impl_name=adapter.name)
+    return {"format": FORMAT, "cell": cell.to_json(), "optimizer": spec.optimizer.kind,
+            "world_size": spec.world_size, "layouts": {},
+            "padding": {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
+            "init": {"params": rank0["init"]}, "steps": steps}
 
 
 def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[dict],
@@ -105,13 +127,21 @@ def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[di
             "init": {"params": full(stack([r["init"] for r in replies]))}, "steps": steps}
 
 
-def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = ()) -> ExampleResult:
+def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = (), impl: str = "ours") -> ExampleResult:
     init = init_state(spec)
     try:
-        replies = pool.run({"spec": spec.to_json(), "faults": list(faults), "init": init})
+        replies = pool.run({"spec": spec.to_json(), "faults": list(faults), "init": init, "impl": impl})
     except ExampleError as e:
         return ExampleResult(spec, faults, error=str(e))
-    snap = assemble_snapshot(spec, faults, replies, init)
+    refusals = {r["refused"] for r in replies if "refused" in r}
+    if refusals:
+        if len(refusals) != 1 or any("refused" not in r for r in replies):
+            return ExampleResult(spec, faults, error=f"ranks disagree on refusing the model: {sorted(refusals)}")
+        return ExampleResult(spec, faults, refused=refusals.pop())
+    if replies[0].get("full"):
+        snap = assemble_full_snapshot(spec, impl, replies, init)
+    else:
+        snap = assemble_snapshot(spec, faults, replies, init)
     names = snap["init"]["params"]
     result = check_snapshot(snap, {n: init[n] for n in names}, None, case=as_case(spec))
     missing = sorted(set(dict(as_case(spec).build_model().named_parameters())) - set(names))

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
@@ -68,15 +68,17 @@ def block_specs(draw, world_size: int, in_features: int, depth: int = 1) -> Bloc
                      wrap=not wrap, inner=inner)  # wrap=True shrinks to False: prefer wrapped units
 
 
-def model_specs(world_size: int) -> st.SearchStrategy[ModelSpec]:
+def model_specs(world_size: int, accumulations: tuple[int, ...] = (1, 2)) -> st.SearchStrategy[ModelSpec]:
     """Models for a pool of `world_size` ranks (checked here, not at the first draw)."""
     if world_size < 1:
         raise ValueError(f"model_specs world_size={world_size} must be >= 1")
-    return _model_specs(world_size)
+    if not accumulations or any(a not in (1, 2) for a in accumulations):
+        raise ValueError(f"model_specs accumulations={accumulations} must be a non-empty subset of (1, 2)")
+    return _model_specs(world_size, accumulations)
 
 
 @st.composite
-def _model_specs(draw, world_size: int) -> ModelSpec:
+def _model_specs(draw, world_size: int, accumulations: tuple[int, ...]) -> ModelSpec:
     in_features = draw(st.integers(1, 5))
     blocks, width = [], in_features
     for _ in range(draw(st.integers(1, 3))):
@@ -85,7 +87,7 @@ def _model_specs(draw, world_size: int) -> ModelSpec:
         while block.inner is not None:
             block = block.inner
         width = block.width
-    accumulation = draw(st.sampled_from((1, 2)))
+    accumulation = draw(st.sampled_from(accumulations))
     data_mode = draw(st.sampled_from(("split", "identical")))
     return ModelSpec(
         world_size=world_size,
@@ -109,6 +111,7 @@ class FuzzStats:
     rank_s: float = 0.0  # of example_s, the time the ranks spent training
     honest_margins: dict[str, float] = field(default_factory=dict)  # check -> max over passing examples
     failures: list[ExampleResult] = field(default_factory=list)
+    refusals: dict[str, int] = field(default_factory=dict)  # the implementation's refusal -> models drawn
 
     def record(self, result: ExampleResult, seconds: float) -> None:
         self.num_examples += 1
@@ -129,13 +132,22 @@ def warm_up_spec(world_size: int) -> ModelSpec:
     return ModelSpec(world_size, 2, 1, (BlockSpec(width=2, inner=BlockSpec(width=1)),), OPTIMIZERS[0])
 
 
-def replay_command(spec: ModelSpec, faults: tuple[str, ...]) -> str:
+def _accumulations(impl: str) -> tuple[int, ...]:
+    """Micro-batches per step the adapter maps (an adapter that owns the step may map only one)."""
+    from cases.features import Features
+    from harness.adapters.registry import resolve_impl
+
+    return (1, 2) if resolve_impl(impl).unsupported(Features(grad_accum=2)) is None else (1,)
+
+
+def replay_command(spec: ModelSpec, faults: tuple[str, ...], impl: str = "ours") -> str:
     cmd = f"python -m harness fuzz --world-size {spec.world_size} --replay {shlex.quote(spec.to_json())}"
+    cmd += f" --impls {impl}" if impl != "ours" else ""
     return cmd + (f" --faults {','.join(faults)}" if faults else "")
 
 
 def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: tuple[str, ...] = (),
-         on_example=None) -> FuzzStats:
+         on_example=None, impl: str = "ours") -> FuzzStats:
     """Run hypothesis against the pool; stats.failures[-1] is the shrunk example when it failed."""
     stats = FuzzStats()
 
@@ -143,10 +155,13 @@ def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: 
     @settings(max_examples=max_examples, deadline=None, database=None, report_multiple_bugs=False,
               suppress_health_check=list(HealthCheck), print_blob=False,
               phases=(Phase.generate, Phase.shrink))
-    @given(model_specs(world_size))
+    @given(model_specs(world_size, _accumulations(impl)))
     def prop(spec: ModelSpec) -> None:
         start = time.perf_counter()
-        result = run_example(pool, spec, faults)
+        result = run_example(pool, spec, faults, impl)
+        if result.refused is not None:  # a model this implementation refuses clearly: not an example
+            stats.refusals[result.refused.splitlines()[0]] = stats.refusals.get(result.refused.splitlines()[0], 0) + 1
+            reject()
         stats.record(result, time.perf_counter() - start)
         if on_example is not None:
             on_example(stats, result)
@@ -160,19 +175,19 @@ def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: 
     return stats
 
 
-def format_failure(result: ExampleResult) -> str:
+def format_failure(result: ExampleResult, impl: str = "ours") -> str:
     spec = result.spec
     lines = [f"minimal failing model (W={spec.world_size}, optimizer={spec.optimizer.kind}, steps={spec.steps}, "
              f"data={spec.data_mode}, accumulation={spec.accumulation}, faults={list(result.faults)}):",
              describe(spec), f"  spec: {spec.to_json()}", f"  first divergence: {result.summary()}"]
     if result.error is not None:
         lines.append("  " + "\n  ".join(result.error.strip().splitlines()[-15:]))
-    lines.append(f"  replay: {replay_command(spec, result.faults)}")
+    lines.append(f"  replay: {replay_command(spec, result.faults, impl)}")
     return "\n".join(lines)
 
 
 def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...], replay: str | None,
-         out_dir: Path, threads: int, example_timeout_s: float, progress: bool = True) -> bool:
+         out_dir: Path, threads: int, example_timeout_s: float, progress: bool = True, impl: str = "ours") -> bool:
     """True when every example passed. Library-level: raises UserError for bad arguments (before
     any rank starts), PoolLost when the infrastructure took a rank away; never exits."""
     if max_examples < 1:
@@ -184,9 +199,19 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
     if not 1 <= world_size <= MAX_CPU_WORLD_SIZE:
         raise UserError(f"--world-size={world_size} must be between 1 and {MAX_CPU_WORLD_SIZE} (every rank of the "
                         f"pool is a process importing torch on this host)")
+    from harness.adapters.registry import resolve_impl
+
+    try:
+        adapter = resolve_impl(impl)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not adapter.needs_process_group:
+        raise UserError(f"--impls {impl} runs without a process group; the fuzzer needs a sharded implementation")
     if faults:
         from harness.adapters.ours import check_faults
 
+        if impl != "ours":
+            raise UserError(f"--faults {list(faults)} are planted in impl/ and apply to --impls ours only, not {impl}")
         check_faults(faults)
     try:
         spec = ModelSpec.from_json(replay) if replay else None
@@ -197,23 +222,23 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
         raise UserError(f"--replay spec world_size={spec.world_size} != --world-size={world_size}")
     config = PoolConfig(world_size, out_dir / "logs", threads=threads, example_timeout_s=example_timeout_s)
     with OutputDir(out_dir, uuid.uuid4().hex, ("logs",)):  # owned and locked: pool logs of one run only
-        return _main(config, spec, max_examples, seed, faults, progress)
+        return _main(config, spec, max_examples, seed, faults, progress, impl)
 
 
 def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: int, faults: tuple[str, ...],
-          progress: bool) -> bool:
+          progress: bool, impl: str) -> bool:
     world_size = config.world_size
     with RankPool(config) as pool:
         # The first example pays for lazy imports and kernel set-up in every rank: start-up, not rate.
         warm = time.perf_counter()
-        run_example(pool, warm_up_spec(world_size))
+        run_example(pool, warm_up_spec(world_size), (), impl)
         start_s = pool.start_s + time.perf_counter() - warm
         print(f"[fuzz] pool of {world_size} ranks started in {start_s:.1f}s", flush=True)
         if spec is not None:
-            result = run_example(pool, spec, faults)
+            result = run_example(pool, spec, faults, impl)
             print(describe(spec))
             print("[fuzz] replay: " + (f"pass (margins {_fmt_margins(result.margins)})" if result.ok
-                                       else "FAIL\n" + format_failure(result)))
+                                       else "FAIL\n" + format_failure(result, impl)))
             return result.ok
 
         def show(stats: FuzzStats, result: ExampleResult) -> None:
@@ -222,21 +247,23 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
                       f"{stats.num_examples / max(stats.example_s, 1e-9):.1f} examples/s", flush=True)
 
         wall = time.perf_counter()
-        stats = fuzz(pool, world_size, max_examples, seed, faults, show)
+        stats = fuzz(pool, world_size, max_examples, seed, faults, show, impl)
         wall = time.perf_counter() - wall
         restarts = pool.num_starts - 1
     rate = stats.num_examples / max(wall, 1e-9)
-    print(f"[fuzz] W={world_size} seed={seed} faults={list(faults)}: {stats.num_examples} examples "
+    print(f"[fuzz] impl={impl} W={world_size} seed={seed} faults={list(faults)}: {stats.num_examples} examples "
           f"(shrinking included) in {wall:.1f}s = {rate:.1f} examples/s; pool start-up {start_s:.1f}s "
           f"paid once, {restarts} restart(s) after failing examples")
     if stats.num_examples:
         per = 1e3 / stats.num_examples
         print(f"[fuzz] per example: {stats.example_s * per:.0f} ms, of which ranks training {stats.rank_s * per:.0f} ms "
               f"(collectives included), the rest request/reply, the reference and the checks")
+    for refusal, count in stats.refusals.items():
+        print(f"[fuzz] {count} drawn model(s) refused at wrap, not counted: {refusal}")
     if stats.honest_margins:
         print(f"[fuzz] largest honest |diff|/tol over passing examples: {_fmt_margins(stats.honest_margins)}")
     if stats.failures:
-        print("[fuzz] FAIL: " + format_failure(stats.failures[-1]))
+        print("[fuzz] FAIL: " + format_failure(stats.failures[-1], impl))
         return False
     print(f"[fuzz] PASS: {stats.num_examples} examples, none failing")
     return True

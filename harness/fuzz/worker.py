@@ -10,6 +10,7 @@ restarts the pool, since the other ranks may be stuck in a collective.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -25,6 +26,7 @@ from cases.data import local_batch
 from harness.fuzz.spec import ModelSpec, as_case
 from harness.adapters.base import RankContext
 from harness.adapters.ours import Ours
+from harness.adapters.registry import resolve_impl
 from harness.judge.shadow import forward_backward
 from harness.run.rank import rank_prologue
 from harness.run.snapshot import decode, encode
@@ -74,6 +76,39 @@ def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.T
             "grads": step_grads, "data": step_data}
 
 
+def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.Tensor], ctx: RankContext,
+                        impl: str) -> dict:
+    """Train the spec through any adapter; its full parameters after init and every step, its full
+    gradients before every step (the adapter's own collectives: every rank calls them)."""
+    adapter = resolve_impl(impl)
+    case = as_case(spec)
+    model = case.build_model()
+    model.load_state_dict(init)
+    try:
+        wrapped = adapter.wrap(model, case.wrap, replace(ctx, faults=faults))
+    except ValueError as e:  # a clear refusal of this model (FSDP2: 0-d parameters), before any collective
+        return {"refused": f"{impl}: {e}"}
+    optim = adapter.make_optimizer(wrapped, spec.optimizer, case.features)
+    init_params = adapter.full_params(wrapped)
+    losses, step_grads, step_params = [], [], []
+    for step in range(1, spec.steps + 1):
+        batch = case.make_batch(case.seed, step, case.global_batch)
+        inputs, targets = local_batch(batch, spec.data_mode, ctx.rank, ctx.world_size)
+        adapter.zero_grad(wrapped, optim)
+        m = spec.accumulation
+        if spec.sync_every_micro or m == 1:
+            loss = forward_backward(wrapped, case.loss_fn, inputs, targets, m)
+        else:  # gradient sync on the last micro-batch only
+            loss = adapter.forward_backward(wrapped, case.loss_fn, inputs, targets, m)
+        step_grads.append(adapter.full_grads(wrapped))
+        adapter.optimizer_step(wrapped, optim, case.features)
+        step_params.append(adapter.full_params(wrapped))
+        losses.append(loss)
+    if ctx.rank != 0:  # rank 0 carries the full tensors; every rank its loss
+        init_params, step_grads, step_params = {}, [{} for _ in step_grads], [{} for _ in step_params]
+    return {"full": True, "init": init_params, "loss": torch.stack(losses), "grads": step_grads, "data": step_params}
+
+
 def main(argv: list[str]) -> int:
     cfg = json.loads(Path(argv[1]).read_text())
     ctx = rank_prologue(cfg["threads"], collective_timeout_s=cfg["collective_timeout_s"])
@@ -90,7 +125,9 @@ def main(argv: list[str]) -> int:
             if spec.world_size != ctx.world_size:
                 raise ValueError(f"spec world_size={spec.world_size} but the pool has {ctx.world_size} ranks")
             start = time.perf_counter()
-            reply = run_example(spec, frozenset(request["faults"]), request["init"], ctx)
+            impl = request.get("impl", "ours")
+            run = run_example if impl == "ours" else functools.partial(run_adapter_example, impl=impl)
+            reply = run(spec, frozenset(request["faults"]), request["init"], ctx)
             reply["rank_s"] = time.perf_counter() - start
         except Exception:
             reply = {"error": f"rank {ctx.rank}: " + traceback.format_exc()}
