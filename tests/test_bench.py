@@ -21,8 +21,12 @@ def test_bench_smoke_writes_every_figure(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
     (speed,) = result["speed"]
-    for key in ("step_time_ratio_vs_fsdp2", "comm_bytes_ratio_vs_theory", "comm_bytes_ratio_vs_fsdp2"):
+    for key in ("step_time_ratio_vs_fsdp2", "cpu_time_ratio_vs_fsdp2", "comm_bytes_ratio_vs_theory",
+                "comm_bytes_ratio_vs_fsdp2"):
         assert speed[key] > 0, key
+    # The unsharded reference steps in the same ranks and communicates nothing.
+    assert speed["step_time_s"]["plain"] > 0 and speed["cpu_time_s"]["plain"] > 0
+    assert speed["comm"]["plain"]["bytes"] == {}
     # FULL_SHARD on this model: the counted collective bytes equal the theoretical volume.
     assert speed["comm"]["ours"]["bytes"] == speed["theory_bytes"]
     assert [m["world_size"] for m in result["memory"]] == [1, 2] and result["medium"] == []

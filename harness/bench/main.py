@@ -205,22 +205,34 @@ def _mb(nbytes: float) -> str:
 
 
 def _speed_markdown(speed: list[dict]) -> list[str]:
-    rows = []
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.1f}"
+
+    times, comm = [], []
     for s in speed:
-        rows.append([f"{s['num_params'] / 1e6:.2f}M", s["world_size"], f"{s['step_time_s']['ours'] * 1e3:.1f}",
-                     f"{s['step_time_s']['fsdp2'] * 1e3:.1f}", f"{s['step_time_ratio_vs_fsdp2']:.3f}",
-                     _mb(sum(s["comm"]["ours"]["bytes"].values())), _mb(sum(s["comm"]["fsdp2"]["bytes"].values())),
-                     _mb(sum(s["theory_bytes"].values())), f"{s['comm_bytes_ratio_vs_theory']:.3f}",
-                     f"{s['comm_bytes_ratio_vs_fsdp2']:.3f}"])
-    lines = [tabulate(rows, headers=["model", "W", "ours ms/step", "fsdp2 ms/step", "step_time_ratio_vs_fsdp2",
-                                     "ours comm MiB", "fsdp2 comm MiB", "theory MiB", "comm_bytes_ratio_vs_theory",
-                                     "comm_bytes_ratio_vs_fsdp2"], tablefmt="github")]
+        model, w, wall, cpu = f"{s['num_params'] / 1e6:.2f}M", s["world_size"], s["step_time_s"], s["cpu_time_s"]
+        times.append([model, w, ms(wall["ours"]), ms(wall["fsdp2"]), ms(wall["plain"]),
+                      f"{s['step_time_ratio_vs_fsdp2']:.3f}", ms(cpu["ours"]), ms(cpu["fsdp2"]), ms(cpu["plain"]),
+                      f"{s['cpu_time_ratio_vs_fsdp2']:.3f}", f"{cpu['plain'] / cpu['fsdp2']:.3f}"])
+        comm.append([model, w, _mb(sum(s["comm"]["ours"]["bytes"].values())),
+                     _mb(sum(s["comm"]["fsdp2"]["bytes"].values())), _mb(sum(s["theory_bytes"].values())),
+                     f"{s['comm_bytes_ratio_vs_theory']:.3f}", f"{s['comm_bytes_ratio_vs_fsdp2']:.3f}"])
+    lines = [tabulate(times, headers=["model", "W", "ours ms/step", "fsdp2 ms/step", "plain ms/step",
+                                      "step_time_ratio_vs_fsdp2", "ours CPU ms/step", "fsdp2 CPU ms/step",
+                                      "plain CPU ms/step", "cpu_time_ratio_vs_fsdp2", "plain CPU / fsdp2 CPU"],
+                      tablefmt="github"),
+             "", tabulate(comm, headers=["model", "W", "ours comm MiB", "fsdp2 comm MiB", "theory MiB",
+                                         "comm_bytes_ratio_vs_theory", "comm_bytes_ratio_vs_fsdp2"],
+                          tablefmt="github")]
     if speed:
         models = sorted({s["model"] for s in speed})
         lines += ["", "Models: " + "; ".join(models) + ". Every size and implementation steps in the same ranks, "
-                  "interleaved. Comm = bytes all-gathered (unsharded output) + reduce-scattered (unsharded input) "
-                  "per step, counted at the c10d ops. Theory (FULL_SHARD): non-root units all-gather twice, the "
-                  "root once, every unit reduce-scatters once."]
+                  "interleaved; medians, the slowest rank's. Plain = the unsharded model on the same per-rank batch "
+                  "with no communication (the compute floor). CPU = the process's CPU time per step (every thread, "
+                  "gloo's included): the work done, which other processes on a shared machine do not inflate as "
+                  "they do wall time. Comm = bytes all-gathered (unsharded output) + reduce-scattered (unsharded "
+                  "input) per step, counted at the c10d ops. Theory (FULL_SHARD): non-root units all-gather twice, "
+                  "the root once, every unit reduce-scatters once."]
     return lines
 
 

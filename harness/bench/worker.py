@@ -102,15 +102,21 @@ def theory_bytes(model: torch.nn.Module) -> dict[str, int]:
 def _speed_size(cfg: TransformerConfig, args, rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     base = TransformerLM(cfg)
-    models = {"ours": wrap_ours(_clone(base)), "fsdp2": wrap_fsdp2(_clone(base), world_size)}
+    # plain: the unsharded model on the same per-rank batch, no communication at all: the floor
+    # of compute that every data-parallel implementation pays.
+    models = {"ours": wrap_ours(_clone(base)), "fsdp2": wrap_fsdp2(_clone(base), world_size), "plain": _clone(base)}
     return {"cfg": cfg, "models": models, "batch": lm_batch(cfg, args.batch, cfg.block_size, seed=rank),
             "optims": {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()},
-            "times": {k: [] for k in models}, "num_params": sum(p.numel() for p in base.parameters())}
+            "times": {k: [] for k in models}, "cpu_times": {k: [] for k in models},
+            "num_params": sum(p.numel() for p in base.parameters())}
 
 
 def run_speed(args, rank: int, world_size: int) -> dict:
-    """Every model size's ours and fsdp2 in the same ranks, steps interleaved across sizes and
-    implementations (ours, fsdp2, ours, ... per size), so machine noise hits all alike."""
+    """Every model size's ours, fsdp2 and plain in the same ranks, steps interleaved across sizes
+    and implementations (ours, fsdp2, plain, ours, ... per size), so machine noise hits all alike.
+
+    Wall time is what a user waits; CPU time (this process, every thread, gloo's included) is the
+    work done, which a machine shared with other processes does not inflate."""
     configs = [SMOKE_CONFIG] if args.smoke else list(SPEED_CONFIGS)
     sizes = [_speed_size(cfg, args, rank, world_size) for cfg in configs]
 
@@ -124,10 +130,11 @@ def run_speed(args, rank: int, world_size: int) -> dict:
         for size in sizes:
             for name in size["models"]:
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 step(size, name)
                 if i >= args.warmup:
                     size["times"][name].append(time.perf_counter() - start)
+                    size["cpu_times"][name].append(time.process_time() - cpu_start)
     out = []
     for size in sizes:
         comm = {}
@@ -135,10 +142,13 @@ def run_speed(args, rank: int, world_size: int) -> dict:
             with CollectiveBytes() as counter:
                 step(size, name)
             comm[name] = {"bytes": dict(counter.bytes), "calls": dict(counter.calls)}
-        median = {k: statistics.median(v) for k, v in size["times"].items()}
+        names = list(size["models"])
         # every rank's median; the step is as slow as the slowest rank
-        med = torch.tensor([median["ours"], median["fsdp2"]], dtype=torch.float64)
+        med = torch.tensor([statistics.median(size[kind][name]) for kind in ("times", "cpu_times") for name in names],
+                           dtype=torch.float64)
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        wall = dict(zip(names, med[: len(names)].tolist()))
+        cpu = dict(zip(names, med[len(names):].tolist()))
         theory = theory_bytes(size["models"]["ours"])
         ours_total = sum(comm["ours"]["bytes"].values())
         cfg = size["cfg"]
@@ -147,8 +157,10 @@ def run_speed(args, rank: int, world_size: int) -> dict:
             "model": f"TransformerLM {_describe(cfg)}, {size['num_params'] / 1e6:.2f}M parameters, "
                      f"batch {args.batch} x {cfg.block_size} tokens per rank",
             "num_params": size["num_params"],
-            "step_time_s": {"ours": med[0].item(), "fsdp2": med[1].item()},
-            "step_time_ratio_vs_fsdp2": med[0].item() / med[1].item(),
+            "step_time_s": wall,
+            "step_time_ratio_vs_fsdp2": wall["ours"] / wall["fsdp2"],
+            "cpu_time_s": cpu,
+            "cpu_time_ratio_vs_fsdp2": cpu["ours"] / cpu["fsdp2"],
             "comm": comm,
             "theory_bytes": theory,
             "comm_bytes_ratio_vs_theory": ours_total / sum(theory.values()),
