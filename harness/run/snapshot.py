@@ -26,8 +26,8 @@ accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is 
                            "params": {...}, "state": {name: {state key: tensor}}}}],
      "perturbed": [[{name: tensor} per step] per run]}  # reference cells only
 
-On disk, every dict whose values are tensors of one dtype is packed into
-{"__packed_tensors__": True, "names", "sizes", "data": one flat tensor}; load_snapshot unpacks.
+On disk ([Note: Snapshot encoding]) the containers are one JSON text and the tensors a few flat
+tensors, one per dtype; `load_snapshot` rebuilds the containers above.
 
 The shadow (harness/judge/shadow.py) replays, on rank 0 with the plain model, every rank's local
 forward/backward from this cell's own parameters of the previous step: the per-step reference
@@ -38,6 +38,7 @@ trajectory envelope.
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import tempfile
@@ -45,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "fsdp-equiv-snapshot/1"
+FORMAT = "fsdp-equiv-snapshot/2"  # /2: [Note: Snapshot encoding]
 INIT_FORMAT = "fsdp-equiv-init/1"  # {"format", "run_id", "state": {name: tensor}}
 
 
@@ -78,38 +79,84 @@ def write_atomic_text(path: Path, text: str) -> None:
     write_atomic_bytes(path, lambda f: f.write(text.encode()))
 
 
-PACKED = "__packed_tensors__"
+# [Note: Snapshot encoding]
+# torch.load(weights_only=True) unpickles in Python, one opcode at a time: a snapshot of nested
+# dicts (per-parameter shadow state and hyperparameters, layouts, padding intervals) took about
+# half a second to load, most of the judge's reading time. So a snapshot is stored as
+#     {"format", "skeleton": JSON text, "data": {dtype name: one flat tensor}}
+# where the skeleton is the snapshot with every tensor replaced by {"__tensor__": [dtype name,
+# offset, size]} into that dtype's flat tensor. json parses in C, and only a few tensors are
+# unpickled. Tuples, dicts with keys that are not strings, torch.Size and torch.dtype have
+# markers of their own, so what loads equals what was saved; any other object is refused at save
+# (torch.load(weights_only=True) would refuse it at load). Floats round-trip exactly (repr), NaN
+# and infinities included.
+_TENSOR, _TUPLE, _ITEMS, _SIZE, _DTYPE = "__tensor__", "__tuple__", "__items__", "__size__", "__dtype__"
+_MARKERS = frozenset((_TENSOR, _TUPLE, _ITEMS, _SIZE, _DTYPE))
 
 
-def _pack(obj):
-    """Every dict whose values are all same-dtype tensors becomes one flat tensor plus names and
-    sizes: a few large tensors load much faster than thousands of small ones."""
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _skeleton(obj, pieces: dict[str, list[torch.Tensor]], offsets: dict[str, int]):
+    """`obj` as JSON-ready containers; every tensor's values appended to `pieces` of its dtype."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().to("cpu").contiguous()
+        name = _dtype_name(t.dtype)
+        at = offsets.get(name, 0)
+        pieces.setdefault(name, []).append(t.reshape(-1))
+        offsets[name] = at + t.numel()
+        return {_TENSOR: [name, at, list(t.shape)]}
+    if isinstance(obj, (str, bool, int, float)) or obj is None:
+        return obj
     if isinstance(obj, dict):
-        values = list(obj.values())
-        if values and all(isinstance(v, torch.Tensor) for v in values) and len({v.dtype for v in values}) == 1:
-            return {PACKED: True, "names": list(obj), "sizes": [list(v.shape) for v in values],
-                    "data": torch.cat([v.detach().reshape(-1) for v in values])}
-        return {k: _pack(v) for k, v in obj.items()}
+        if all(isinstance(k, str) for k in obj) and not _MARKERS.intersection(obj):
+            return {k: _skeleton(v, pieces, offsets) for k, v in obj.items()}
+        return {_ITEMS: [[_skeleton(k, pieces, offsets), _skeleton(v, pieces, offsets)] for k, v in obj.items()]}
     if isinstance(obj, list):
-        return [_pack(v) for v in obj]
-    return obj
+        return [_skeleton(v, pieces, offsets) for v in obj]
+    if isinstance(obj, torch.Size):
+        return {_SIZE: list(obj)}
+    if isinstance(obj, tuple):
+        return {_TUPLE: [_skeleton(v, pieces, offsets) for v in obj]}
+    if isinstance(obj, torch.dtype):
+        return {_DTYPE: _dtype_name(obj)}
+    raise TypeError(f"a snapshot holds only containers, numbers, strings and tensors, not {type(obj).__name__}")
 
 
-def _unpack(obj):
-    if isinstance(obj, dict):
-        if obj.get(PACKED) is True:
-            numels = [math.prod(size) for size in obj["sizes"]]
-            pieces = torch.split(obj["data"], numels)
-            return {n: t.view(size) for n, t, size in zip(obj["names"], pieces, obj["sizes"])}
-        return {k: _unpack(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_unpack(v) for v in obj]
-    return obj
+def _pack(obj) -> dict:
+    pieces: dict[str, list[torch.Tensor]] = {}
+    skeleton = json.dumps(_skeleton(obj, pieces, {}), allow_nan=True)
+    return {"skeleton": skeleton, "data": {name: torch.cat(ts) for name, ts in pieces.items()}}
+
+
+def _unpack(packed) -> object:
+    if not isinstance(packed, dict) or not isinstance(packed.get("skeleton"), str) or not isinstance(packed.get("data"), dict):
+        raise ValueError("not an encoded snapshot (skeleton and data missing)")
+    data = packed["data"]
+
+    def hook(d: dict):
+        if len(d) != 1:
+            return d
+        (key, value), = d.items()
+        if key == _TENSOR:
+            name, at, size = value
+            return data[name][at : at + math.prod(size)].view(size)
+        if key == _TUPLE:
+            return tuple(value)
+        if key == _ITEMS:
+            return {k: v for k, v in value}
+        if key == _SIZE:
+            return torch.Size(value)
+        if key == _DTYPE:
+            return getattr(torch, value)
+        return d
+
+    return json.loads(packed["skeleton"], object_hook=hook)
 
 
 def encode(obj) -> bytes:
-    """torch.save of plain containers, each dict of same-dtype tensors packed into one tensor (a
-    weights_only load of a few tensors is much faster than of hundreds)."""
+    """The bytes of `obj` (containers, numbers, strings, tensors): [Note: Snapshot encoding]."""
     buf = io.BytesIO()
     torch.save(_pack(obj), buf)
     return buf.getvalue()
@@ -121,15 +168,19 @@ def decode(raw: bytes):
 
 def save_snapshot(path: Path, snapshot: dict) -> None:
     assert snapshot.get("format") == FORMAT
-    packed = _pack(snapshot)
+    packed = {"format": FORMAT, **_pack(snapshot)}
     write_atomic_bytes(path, lambda f: torch.save(packed, f))
 
 
 def load_snapshot(path: Path) -> dict:
-    snapshot = torch.load(path, weights_only=True, map_location="cpu")
+    packed = torch.load(path, weights_only=True, map_location="cpu")
+    if not isinstance(packed, dict) or packed.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} snapshot (format={packed.get('format') if isinstance(packed, dict) else type(packed).__name__})")
+    snapshot = _unpack(packed)
     if not isinstance(snapshot, dict) or snapshot.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a {FORMAT} snapshot (format={snapshot.get('format') if isinstance(snapshot, dict) else type(snapshot).__name__})")
-    return _unpack(snapshot)
+        raise ValueError(f"{path}: not a {FORMAT} snapshot (its contents say format="
+                         f"{snapshot.get('format') if isinstance(snapshot, dict) else type(snapshot).__name__})")
+    return snapshot
 
 
 def save_state(path: Path, state: dict[str, torch.Tensor], run_id: str) -> None:

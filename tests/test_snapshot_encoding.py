@@ -1,0 +1,76 @@
+"""The snapshot encoding ([Note: Snapshot encoding] in harness/run/snapshot.py): what loads is
+what was saved, bit for bit and type for type, and nothing but plain data is ever written."""
+
+import math
+
+import pytest
+import torch
+
+from harness.run.snapshot import FORMAT, decode, encode, load_snapshot, save_snapshot
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format)
+    return bytes(t.view(torch.uint8).numpy()) if t.dtype != torch.bool else bytes(t.numpy())
+
+
+def _same(a, b, path="") -> None:
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
+        assert _bits(a) == _bits(b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            _same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b and str(a) == str(b), path  # str: -0.0 stays -0.0
+
+
+def _awkward() -> dict:
+    strided = torch.arange(12, dtype=torch.float32).view(3, 4).t()  # not contiguous
+    return {
+        "format": FORMAT,
+        "floats": [math.nan, math.inf, -math.inf, -0.0, 5e-324, 0.1, 1.0 + 2**-52],
+        "tensors": {"strided": strided, "empty": torch.zeros(0, 3), "scalar": torch.tensor(2.5, dtype=torch.float64),
+                    "bools": torch.tensor([True, False]), "ints": torch.tensor([-(2**62), 7]),
+                    "bf16": torch.tensor([1.5, -3.0], dtype=torch.bfloat16),
+                    "nan": torch.tensor([math.nan, -0.0])},
+        "tuple": (1, "a", (2.0, None)),
+        "int_keys": {0: "zero", 1: [True, False]},
+        "tuple_keys": {(1, 2): 3},
+        "marker_key": {"__tensor__": 1},  # a user's dict that looks like a marker stays a dict
+        "size": torch.Size([2, 3]),
+        "dtype": torch.float16,
+        "steps": [{"loss": torch.ones(2), "grads": {"w": torch.zeros(3)}}],
+    }
+
+
+def test_round_trip_is_exact(tmp_path):
+    snap = _awkward()
+    save_snapshot(tmp_path / "a.pt", snap)
+    _same(snap, load_snapshot(tmp_path / "a.pt"))
+    _same(snap, decode(encode(snap)))
+
+
+def test_foreign_objects_are_refused_at_save(tmp_path):
+    class Foreign:
+        pass
+
+    with pytest.raises(TypeError, match="Foreign"):
+        save_snapshot(tmp_path / "a.pt", {"format": FORMAT, "x": Foreign()})
+    assert not (tmp_path / "a.pt").exists()
+    with pytest.raises(TypeError, match="set"):
+        encode({"x": {1, 2}})
+
+
+def test_contents_of_another_format_are_refused(tmp_path):
+    torch.save({"format": FORMAT, "skeleton": '{"format": "other"}', "data": {}}, tmp_path / "b.pt")
+    with pytest.raises(ValueError, match="not a fsdp-equiv-snapshot"):
+        load_snapshot(tmp_path / "b.pt")
