@@ -220,6 +220,11 @@ def cmd_list() -> int:
         print("faults (run --faults NAME, planted in impl=ours):")
         for name, what in catalog.items():
             print(f"  {name}: {what}")
+    from harness.run.dist_faults import DIST_FAULTS
+
+    print("collective faults (run --faults NAME, in what torch.distributed delivers: any implementation, W > 1):")
+    for name, what in DIST_FAULTS.items():
+        print(f"  {name}: {what}")
     return EXIT_PASS
 
 
@@ -263,11 +268,17 @@ def _add_search_verbs(verbs) -> None:
     fuzz.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
     fuzz.add_argument("--example-timeout", type=float, default=60.0,
                       help="seconds per example before the pool is restarted (default 60)")
-    fuzz.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted impl/ bugs: the fuzzer must fail
-    mutants = verbs.add_parser("mutants", help="every planted fault of impl/ caught; honest runs within half the tolerance")
+    fuzz.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted bugs: the fuzzer must fail
+    mutants = verbs.add_parser("mutants", help="every planted fault caught (collective faults on any --impls, impl/'s "
+                                               "on ours); honest runs within half the tolerance")
+    mutants.add_argument("--impls", default="ours",
+                         help="comma-separated implementations, each a built-in name or a user's 'module:Class' / "
+                              "'file.py:Class' (default ours); the collective faults (dist_*) apply to each, the "
+                              "faults planted inside impl/ to ours only")
     mutants.add_argument("--out", default="runs/mutants", help="output directory (default runs/mutants)")
     mutants.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun launch (default 900)")
-    mutants.add_argument("--only", default="", help="comma-separated faults (default: every fault of impl.FAULTS)")
+    mutants.add_argument("--only", default="", help="comma-separated faults (default: every collective fault and "
+                                                         "every fault of impl.FAULTS)")
     mutants.add_argument("--world-sizes", default="", help=argparse.SUPPRESS)  # one W for a quick test
     mutants.add_argument("--cases", default=None,
                          help="real architectures every fault also runs on, with a table per case (default "
@@ -307,6 +318,7 @@ def cmd_fuzz_or_mutants(args) -> int:
 
         ok = mutants_main(_out_dir(args.out), args.timeout, parse_csv(args.only, "only") if args.only else None,
                           parse_world_sizes(args.world_sizes) if args.world_sizes else None,
+                          impls=parse_csv(args.impls, "impls"),
                           **({} if args.cases is None else
                              {"arch_cases": () if args.cases == "none" else parse_csv(args.cases, "cases")}))
     return EXIT_PASS if ok else EXIT_FAIL

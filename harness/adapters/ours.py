@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from cases.features import DTYPES, PLAIN, Features
-from harness.errors import PlanError
 from harness.adapters.base import Adapter, RawShard, set_prefetch
 from harness.adapters.features import all_reduce_mean_copy, make_mesh
 
@@ -173,10 +171,3 @@ def planted_faults() -> dict[str, str]:
 
     return dict(impl.FAULTS)
 
-
-def check_faults(faults: Iterable[str]) -> None:
-    """Every name is a planted fault of impl/, or PlanError naming the known ones."""
-    known = planted_faults()
-    unknown = sorted(set(faults) - set(known))
-    if unknown:
-        raise PlanError(f"unknown fault(s) {unknown}; known: {sorted(known)}")

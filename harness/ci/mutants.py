@@ -1,5 +1,9 @@
-"""`python -m harness mutants`: every planted fault of impl/ (impl.FAULTS) must be caught, and the
-honest run must pass with room to spare.
+"""`python -m harness mutants`: every planted fault must be caught, and the honest run must pass
+with room to spare. Per implementation (`--impls`, default ours): the collective faults
+(harness/run/dist_faults.py, planted in what torch.distributed delivers: any implementation) and,
+for impl=ours, the faults planted inside impl/ (impl.FAULTS); a fault an implementation cannot
+take is reported n/a (impl/'s faults elsewhere; a collective fault that never met a collective it
+acts on, NEVER_ACTED).
 
 Two batteries, both once unmutated and once per fault:
 - the gate matrix (catalog cases through the standard run machinery; a fault is part of the
@@ -15,6 +19,7 @@ largest |diff| / tol of every tolerance check over every honest cell and corpus 
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -26,6 +31,7 @@ from harness.errors import UserError
 from harness.fuzz.check import ExampleResult, run_example
 from harness.fuzz.pool import PoolConfig, RankPool
 from harness.fuzz.spec import BlockSpec, ModelSpec
+from harness.run.dist_faults import DIST_FAULTS, NEVER_ACTED, check_faults
 from harness.run.output import OutputDir
 from harness.run.snapshot import write_atomic_text
 
@@ -103,8 +109,13 @@ class Evidence:
     error: str | None = None
 
     @property
+    def not_applicable(self) -> bool:
+        """The fault never acted in this run (a collective fault the implementation never met)."""
+        return self.error is not None and NEVER_ACTED in self.error
+
+    @property
     def failed(self) -> bool:
-        return self.error is not None or bool(self.violations)
+        return (self.error is not None and not self.not_applicable) or bool(self.violations)
 
     @property
     def first(self) -> Violation | None:
@@ -116,10 +127,22 @@ class MutantRow:
     mutant: str
     what: str
     evidence: list[Evidence] = field(default_factory=list)
+    cannot_take: str | None = None  # why the implementation cannot take this fault at all
 
     @property
     def caught(self) -> bool:
         return any(e.failed for e in self.evidence)
+
+    @property
+    def not_applicable(self) -> str | None:
+        """Why no run could show this fault: the implementation cannot take it, or it never acted."""
+        if self.cannot_take:
+            return self.cannot_take
+        if self.mutant != HONEST and not self.caught and self.evidence and all(
+                e.not_applicable or not e.source.startswith("gate") for e in self.evidence) and any(
+                e.not_applicable for e in self.evidence):
+            return "n/a: never acted (no collective it acts on in the training step)"
+        return None
 
     def strongest(self) -> Evidence | None:
         failed = [e for e in self.evidence if e.failed]
@@ -130,7 +153,7 @@ class MutantRow:
         return max(failed, key=lambda e: (e.source.startswith("gate"), max((v.ratio for v in e.violations), default=-1.0)))
 
     def failing(self, source: str) -> str:
-        runs = [e for e in self.evidence if e.source.startswith(source)]
+        runs = [e for e in self.evidence if e.source.startswith(source) and not e.not_applicable]
         return f"{sum(e.failed for e in runs)}/{len(runs)}"
 
     def check(self) -> str:
@@ -161,14 +184,14 @@ class MutantRow:
 
 
 def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float, world_sizes: tuple[int, ...],
-                   arch_cases: tuple[str, ...] = ()) -> dict[str, list[Evidence]]:
+                   arch_cases: tuple[str, ...] = (), impl: str = "ours") -> dict[str, list[Evidence]]:
     from harness.run.orchestrate import Progress, run_plan
     from harness.run.plan import build_plan
     from harness.report.build import build_report, report_files
     from harness.judge.verdict import evaluate
 
     extra = tuple(sorted({c for f in faults for c in FAULT_CASES.get(f, ())}))
-    base = build_plan(cases=GATE_CASES + extra + arch_cases, impls=("ours",), world_sizes=world_sizes,
+    base = build_plan(cases=GATE_CASES + extra + arch_cases, impls=(impl,), world_sizes=world_sizes,
                       data_modes=("identical", "split"), steps=GATE_STEPS, timeout_s=timeout_s,
                       out_dir=out_dir)
     acts = {(f, c): fault_cannot_act(f, c) is None for f in faults for c in arch_cases}
@@ -191,13 +214,16 @@ def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float, world_siz
     return by_fault
 
 
-def _corpus_evidence(out_dir: Path, faults: list[str], world_sizes: tuple[int, ...]) -> dict[str, list[Evidence]]:
+def _corpus_evidence(out_dir: Path, faults: list[str], world_sizes: tuple[int, ...],
+                     impl: str = "ours") -> dict[str, list[Evidence]]:
     by_fault: dict[str, list[Evidence]] = {}
     for w in world_sizes:
         with RankPool(PoolConfig(w, out_dir / "logs", example_timeout_s=60.0)) as pool:
             for name, spec in corpus(w).items():
                 for fault in [HONEST, *faults]:
-                    res: ExampleResult = run_example(pool, spec, () if fault == HONEST else (fault,))
+                    res: ExampleResult = run_example(pool, spec, () if fault == HONEST else (fault,), impl)
+                    if res.refused is not None:  # the implementation refuses this model at wrap: no run
+                        continue
                     by_fault.setdefault(fault, []).append(
                         Evidence(f"fuzz {name} W={w}", res.violations, res.margins, res.error))
     return by_fault
@@ -211,7 +237,10 @@ def table(rows: list[MutantRow]) -> str:
     lines = ["| mutant | caught | check | margin: diff/tol | failing runs: gate, fuzz | first divergence |",
              "| --- | --- | --- | --- | --- | --- |"]
     for row in rows:
-        if row.mutant == HONEST:
+        if row.not_applicable:
+            lines.append(f"| {row.mutant} | n/a | - | - | {row.failing('gate')}, {row.failing('fuzz')} | "
+                         f"{row.not_applicable} |")
+        elif row.mutant == HONEST:
             ok = not row.caught
             lines.append(f"| {HONEST} (honest) | {'passes' if ok else 'FAILS'} | - | {_fmt_ratio(row.ratio())} (max over "
                          f"{len(row.evidence)} runs) | {row.failing('gate')}, {row.failing('fuzz')} | "
@@ -237,7 +266,9 @@ def case_table(rows: list[MutantRow], arch_cases: tuple[str, ...]) -> tuple[str,
                 entries.append(f"{'passes' if good else 'FAILS'} ({len(runs)} cells)")
                 ok &= good
                 continue
-            why = fault_cannot_act(row.mutant, case)
+            why = fault_cannot_act(row.mutant, case) or row.not_applicable
+            if not why and runs and all(e.not_applicable for e in runs):
+                why = "n/a: never acted"
             if why:
                 entries.append(why)
                 continue
@@ -255,49 +286,80 @@ def case_table(rows: list[MutantRow], arch_cases: tuple[str, ...]) -> tuple[str,
 
 
 def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
-         world_sizes: tuple[int, ...] | None = None, arch_cases: tuple[str, ...] = ARCH_CASES) -> bool:
+         world_sizes: tuple[int, ...] | None = None, arch_cases: tuple[str, ...] = ARCH_CASES,
+         impls: tuple[str, ...] = ("ours",)) -> bool:
     """world_sizes: both batteries at these W instead of GATE_WORLD_SIZES / CORPUS_WORLD_SIZES;
-    arch_cases: the real architectures every fault also runs on (() for none)."""
-    from harness.adapters.ours import check_faults, planted_faults
+    arch_cases: the real architectures every fault also runs on (() for none); impls: each
+    implementation's mutants in turn (built-in names or a user's 'file.py:Class')."""
+    from harness.adapters.ours import planted_faults
+    from harness.adapters.registry import resolve_impl
 
-    catalog = planted_faults()
+    planted = planted_faults()
     gate_world_sizes = world_sizes or GATE_WORLD_SIZES
     corpus_world_sizes = world_sizes or CORPUS_WORLD_SIZES
     if min(gate_world_sizes) < 2:
         raise UserError(f"mutants world sizes {list(gate_world_sizes)}: every fault needs W >= 2 to act")
-
-    faults = list(only) if only else sorted(catalog)
-    check_faults(faults)
+    if not impls or len(set(impls)) != len(impls):
+        raise UserError(f"mutants --impls {','.join(impls)}: name each implementation once")
+    for impl in impls:
+        try:
+            adapter = resolve_impl(impl)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if not adapter.needs_process_group:
+            raise UserError(f"mutants --impls {impl} runs without a process group: no fault can act on it")
+    everything = {**planted, **DIST_FAULTS}
+    faults = list(only) if only else sorted(planted) + sorted(DIST_FAULTS)
+    check_faults(faults, impls if only else ("ours",))
     unknown_cases = sorted(set(arch_cases) - set(CASES))
     if unknown_cases:
         raise UserError(f"mutants --cases: unknown case(s) {unknown_cases}; the real architectures are {list(ARCH_CASES)}")
     with OutputDir(out_dir, uuid.uuid4().hex, ("gate", "fuzz", "mutants.md")):
-        return _run(out_dir, faults, catalog, timeout_s, gate_world_sizes, corpus_world_sizes, tuple(arch_cases))
+        start = time.monotonic()
+        sections, ok = [], True
+        for impl in impls:
+            sub = Path() if len(impls) == 1 else Path(re.sub(r"\W+", "_", impl))
+            impl_ok, text = _run(out_dir, sub, impl, faults, everything, timeout_s, gate_world_sizes,
+                                 corpus_world_sizes, tuple(arch_cases))
+            sections.append(text if len(impls) == 1 else f"## impl={impl}: {'PASS' if impl_ok else 'FAIL'}\n\n{text}")
+            ok &= impl_ok
+        text = "\n".join([f"# Mutants: {'PASS' if ok else 'FAIL'}", "", *sections, "",
+                          f"Wall time {time.monotonic() - start:.0f}s."])
+    write_atomic_text(out_dir / "mutants.md", text + "\n")
+    print(text)
+    print(f"report: {out_dir / 'mutants.md'}")
+    return ok
 
 
-def _run(out_dir: Path, faults: list[str], descriptions: dict[str, str], timeout_s: float,
-         gate_world_sizes: tuple[int, ...], corpus_world_sizes: tuple[int, ...], arch_cases: tuple[str, ...]) -> bool:
+def _run(out_dir: Path, sub: Path, impl: str, faults: list[str], descriptions: dict[str, str], timeout_s: float,
+         gate_world_sizes: tuple[int, ...], corpus_world_sizes: tuple[int, ...],
+         arch_cases: tuple[str, ...]) -> tuple[bool, str]:
+    """One implementation's mutants: (every applicable fault caught and the honest runs pass, its section)."""
+    runnable = [f for f in faults if impl == "ours" or f in DIST_FAULTS]
     start = time.monotonic()
-    gate = _gate_evidence(out_dir / "gate", faults, timeout_s, gate_world_sizes, arch_cases)
+    gate = _gate_evidence(out_dir / "gate" / sub, runnable, timeout_s, gate_world_sizes, arch_cases, impl)
     gate_s = time.monotonic() - start
-    fuzz = _corpus_evidence(out_dir / "fuzz", faults, corpus_world_sizes)
+    fuzz = _corpus_evidence(out_dir / "fuzz" / sub, runnable, corpus_world_sizes, impl)
     rows = [MutantRow(HONEST, "unmutated", gate.get(HONEST, []) + fuzz.get(HONEST, []))]
-    rows += [MutantRow(f, descriptions[f], gate.get(f, []) + fuzz.get(f, [])) for f in faults]
+    rows += [MutantRow(f, descriptions[f], gate.get(f, []) + fuzz.get(f, []),
+                       None if f in runnable else "n/a: planted inside impl/, impl=ours only") for f in faults]
     honest = rows[0]
     honest_margin = honest.ratio()
+    mutants = [r for r in rows[1:] if not r.not_applicable]
     per_source = {
-        "gate": [r for r in rows[1:] if any(e.failed for e in r.evidence if e.source.startswith("gate"))],
-        "fuzz": [r for r in rows[1:] if any(e.failed for e in r.evidence if e.source.startswith("fuzz"))],
+        "gate": [r for r in mutants if any(e.failed for e in r.evidence if e.source.startswith("gate"))],
+        "fuzz": [r for r in mutants if any(e.failed for e in r.evidence if e.source.startswith("fuzz"))],
     }
     per_case, per_case_ok = case_table(rows, arch_cases) if arch_cases else ("", True)
-    ok = not honest.caught and all(r.caught for r in rows[1:]) and per_case_ok
+    ok = not honest.caught and all(r.caught for r in mutants) and per_case_ok
     text = "\n".join([
-        f"# Mutants: {'PASS' if ok else 'FAIL'}", "",
-        f"Batteries: gate matrix (cases {list(GATE_CASES)} for every fault, and per fault {FAULT_CASES}; impl=ours, W={list(gate_world_sizes)}, identical+split "
-        f"data, {GATE_STEPS} steps, sgd+adamw; one launch per W for all mutants, {gate_s:.0f}s) and the fuzz corpus "
-        f"({sorted(corpus(2))} at W={list(corpus_world_sizes)}, one rank pool per W).",
-        f"Caught by the gate battery: {len(per_source['gate'])}/{len(faults)}; by the fuzz corpus: "
-        f"{len(per_source['fuzz'])}/{len(faults)}.", "",
+        f"Batteries: gate matrix (cases {list(GATE_CASES)} for every fault, and per fault "
+        f"{ {f: c for f, c in FAULT_CASES.items() if f in runnable} }; impl={impl}, W={list(gate_world_sizes)}, "
+        f"identical+split data, {GATE_STEPS} steps, sgd+adamw; one launch per W for all mutants, {gate_s:.0f}s) and the "
+        f"fuzz corpus ({sorted(corpus(2))} at W={list(corpus_world_sizes)}, one rank pool per W; models the "
+        f"implementation refuses at wrap are not run).",
+        f"Caught by the gate battery: {len(per_source['gate'])}/{len(mutants)}; by the fuzz corpus: "
+        f"{len(per_source['fuzz'])}/{len(mutants)} ({len(rows) - 1 - len(mutants)} n/a).", "",
         table(rows), "",
         f"Honest margin (largest |diff|/tol of the {'/'.join(BOUNDED)} checks over every honest run): "
         f"{honest_margin:.3g} -> {'below' if honest_margin < 0.5 else 'NOT below'} half the tolerance.",
@@ -306,9 +368,5 @@ def _run(out_dir: Path, faults: list[str], descriptions: dict[str, str], timeout
         *(["", f"Per real architecture (the gate battery's cells of each case, W={list(gate_world_sizes)}, identical+split): "
            f"every fault that can act on a case is caught on it: {'yes' if per_case_ok else 'NO'}.", "", per_case]
           if arch_cases else []),
-        "", f"Wall time {time.monotonic() - start:.0f}s.",
     ])
-    write_atomic_text(out_dir / "mutants.md", text + "\n")
-    print(text)
-    print(f"report: {out_dir / 'mutants.md'}")
-    return ok
+    return ok, text

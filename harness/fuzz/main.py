@@ -208,11 +208,9 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
     if not adapter.needs_process_group:
         raise UserError(f"--impls {impl} runs without a process group; the fuzzer needs a sharded implementation")
     if faults:
-        from harness.adapters.ours import check_faults
+        from harness.run.dist_faults import check_faults
 
-        if impl != "ours":
-            raise UserError(f"--faults {list(faults)} are planted in impl/ and apply to --impls ours only, not {impl}")
-        check_faults(faults)
+        check_faults(faults, (impl,))
     try:
         spec = ModelSpec.from_json(replay) if replay else None
     except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -28,6 +28,7 @@ from harness.adapters.base import RankContext
 from harness.adapters.ours import Ours
 from harness.adapters.registry import resolve_impl
 from harness.judge.shadow import forward_backward
+from harness.run import dist_faults
 from harness.run.rank import rank_prologue
 from harness.run.snapshot import decode, encode
 
@@ -54,7 +55,8 @@ def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.T
     case = as_case(spec)
     model = case.build_model()
     model.load_state_dict(init)
-    wrapped = Ours().wrap(model, case.wrap, replace(ctx, faults=faults))
+    adapter = dist_faults.planted(Ours(), faults)  # collective faults, if any
+    wrapped = adapter.wrap(model, case.wrap, replace(ctx, faults=faults))
     optim = spec.optimizer.build(wrapped.parameters())
     init_data, _ = _shards(wrapped)
     losses, step_grads, step_data = [], [], []
@@ -65,7 +67,8 @@ def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.T
         m = spec.accumulation
         sync_all = spec.sync_every_micro or m == 1
         before = None if sync_all else (lambda i: wrapped.set_requires_gradient_sync(i == m - 1))
-        loss_sum = forward_backward(wrapped, case.loss_fn, inputs, targets, m, before_micro=before)
+        with dist_faults.armed(adapter):
+            loss_sum = forward_backward(wrapped, case.loss_fn, inputs, targets, m, before_micro=before)
         _, grads = _shards(wrapped)
         optim.step()
         data, _ = _shards(wrapped)
@@ -80,7 +83,7 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
                         impl: str) -> dict:
     """Train the spec through any adapter; its full parameters after init and every step, its full
     gradients before every step (the adapter's own collectives: every rank calls them)."""
-    adapter = resolve_impl(impl)
+    adapter = dist_faults.planted(resolve_impl(impl), faults)  # collective faults, if any
     case = as_case(spec)
     model = case.build_model()
     model.load_state_dict(init)
@@ -97,7 +100,8 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
         adapter.zero_grad(wrapped, optim)
         m = spec.accumulation
         if spec.sync_every_micro or m == 1:
-            loss = forward_backward(wrapped, case.loss_fn, inputs, targets, m)
+            with dist_faults.armed(adapter):
+                loss = forward_backward(wrapped, case.loss_fn, inputs, targets, m)
         else:  # gradient sync on the last micro-batch only
             loss = adapter.forward_backward(wrapped, case.loss_fn, inputs, targets, m)
         step_grads.append(adapter.full_grads(wrapped))

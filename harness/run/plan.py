@@ -151,6 +151,14 @@ def check_world_size(size: int, flag: str, device: str = "cpu") -> None:
                         f"on one CPU host (each rank is a process importing torch); use a smaller world size")
 
 
+def _cell_faults(faults: tuple[str, ...], impl: str, world_size: int) -> tuple[str, ...]:
+    """impl/'s faults on impl=ours cells; collective faults on every cell with collectives (W > 1)."""
+    from harness.run.dist_faults import split_faults
+
+    impl_faults, collective_faults = split_faults(faults)
+    return tuple(sorted((impl_faults if impl == "ours" else set()) | (collective_faults if world_size > 1 else set())))
+
+
 def build_plan(
     *,
     cases: tuple[str, ...] = DEFAULT_CASES,
@@ -225,11 +233,9 @@ def build_plan(
         if impl.split(":")[0].endswith(".py"):
             extra_paths.append(str(Path(impl.split(":")[0]).resolve().parent))
     if faults:
-        if "ours" not in impls:
-            raise PlanError(f"--faults {list(faults)} only apply to impl=ours; impls={list(impls)}")
-        from harness.adapters.ours import check_faults
+        from harness.run.dist_faults import check_faults
 
-        check_faults(faults)
+        check_faults(faults, impls)
 
     cells, skipped = [], []
     for case_name in cases:
@@ -250,7 +256,7 @@ def build_plan(
             for mode in data_modes:
                 for impl in impls:
                     cell = Cell(case_name, impl, w, mode, steps or case.steps,
-                                faults=tuple(sorted(faults)) if impl == "ours" else (),
+                                faults=_cell_faults(faults, impl, w),
                                 impl_name=adapters[impl].name if ":" in impl else "")
                     reason = _skip_reason(case, adapters[impl])
                     if reason:

@@ -25,6 +25,7 @@ from cases.features import PLAIN
 from harness.adapters.features import apply_activation_checkpointing
 from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
+from harness.run import dist_faults
 from harness.run.plan import Cell
 from harness.run.rank import rank_prologue
 from harness.judge.shadow import Shadow
@@ -166,7 +167,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
              scratch_dir: Path) -> dict | None:
     case = get_case(cell.case)
     features = case.features
-    adapter: Adapter = resolve_impl(cell.impl)
+    adapter: Adapter = dist_faults.planted(resolve_impl(cell.impl), cell.faults)  # collective faults, if any
     ctx = world if adapter.needs_process_group else RankContext(0, 1, None, world.device)
     ctx = replace(ctx, features=features, faults=frozenset(cell.faults))
     if features.refused_wrap and adapter.refuses_cross_unit_ties:
@@ -213,6 +214,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
             directory = scratch_dir / f"{cell.cell_id}.{spec.kind}.step{step}"
             wrapped, optim = adapter.reshard_checkpoint(wrapped, optim, spec, ctx, features, directory, shard_size,
                                                         wrap_paths, case.build_model)
+    dist_faults.check_acted(adapter, f"rank {ctx.rank}: cell {cell.cell_id}")
     if reshard_steps:
         adapter.full_state_roundtrip(wrapped, case.build_model, wrap_paths, ctx,
                                      scratch_dir / f"{cell.cell_id}.{spec.kind}")

@@ -1,0 +1,280 @@
+"""Collective-level faults: planted bugs in what torch.distributed delivers, for ANY implementation.
+
+The faults of impl/ (impl/_faults.py) are bugs inside our own FSDP; these act one level lower, on
+the collectives an implementation's training step issues, so they plant the same kinds of bug
+into torch FSDP2, FSDP1, DeepSpeed or a user's adapter without touching their code. The mutants
+verb (`mutants --impls X`) proves the harness catches each of them on X.
+
+[Note: Where collective faults act]
+- The seam is the `ProcessGroup` class of torch's C++ bindings: every Python collective of
+  torch.distributed (`all_reduce`, `reduce_scatter_tensor` / `reduce_scatter_single`,
+  `_reduce_scatter_base`, `all_gather_into_tensor` / `all_gather_single`, `_all_gather_base`,
+  `all_gather`, the coalesced tensor forms) ends in a method of it, whoever bound the Python function
+  first (impl/_collectives.py binds its own at import). Measured on torch 2.13, gloo, W = 2:
+  FSDP2 and ours issue `all_gather_single` and `reduce_scatter_single`; FSDP1 `allgather` (the
+  list form) and `reduce_scatter_single`, HYBRID_SHARD `allreduce`; DeepSpeed ZeRO-1/2
+  `allreduce` and `all_gather_single`, ZeRO-3 also `reduce_scatter_single`. Functional
+  collectives (DTensor's `full_tensor`, DTensor gradient-norm clipping) and DDP's C++ reducer
+  call the process group from C++ and are not reached.
+- The faults are armed only inside the training step (zero_grad, forward and backward, clipping
+  and the optimizer step: `PlantedAdapter`, or `armed()` where a worker drives the model itself).
+  The evidence the harness gathers (full tensors, the ranks' shards) travels unfaulted.
+- Honest runs never install anything: `planted()` returns the adapter itself when no collective
+  fault is requested, so the process group's methods are torch's own, bitwise.
+- A requested fault that never met a collective it acts on in a whole cell is an error
+  (`check_acted`, NEVER_ACTED in its text), not a silent pass: the mutants verb reports it n/a.
+  Each fault decides the same on every rank (drop changes the last rank's input only, but
+  counts the reduction on every rank), so every rank raises alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup
+
+from harness.errors import PlanError
+
+DIST_FAULTS: dict[str, str] = {
+    "dist_scale_1e-5": "every gradient reduction's result (sum or average of floats) is scaled by (1 + 1e-5)",
+    "dist_drop_last_rank": "the last rank's contribution is missing from every gradient reduction",
+    "dist_rotate_all_gather": "all-gathers deliver the shards rotated by one rank (rank r's slot holds rank r+1's)",
+    "dist_stale_reduction": "the second gradient reduction of a given shape and dtype returns the first one's "
+                            "result (a stale buffer: at step 2 when each unit reduces once per step)",
+}
+SCALE = {"dist_scale_1e-5": 1e-5}
+NEVER_ACTED = "never acted"
+# Reductions whose result is a (weighted) sum: what a gradient reduction is. MAX / MIN (overflow
+# flags, norms of inf) are left alone.
+_SUMMING = (dist.ReduceOp.RedOpType.SUM, dist.ReduceOp.RedOpType.AVG, dist.ReduceOp.RedOpType.PREMUL_SUM)
+# ProcessGroup method -> (kind, how its arguments hold outputs and inputs); see _outputs / _zeroed.
+_METHODS = {
+    "allreduce": ("reduce", "inplace"),
+    "allreduce_coalesced": ("reduce", "inplace"),
+    "reduce_scatter_single": ("reduce", "tensor"),
+    "_reduce_scatter_base": ("reduce", "tensor"),
+    "reduce_scatter": ("reduce", "lists"),
+    "reduce_scatter_tensor_coalesced": ("reduce", "lists"),
+    "reduce_scatter_single_coalesced": ("reduce", "lists"),
+    "all_gather_single": ("gather", "tensor"),
+    "_allgather_base": ("gather", "tensor"),
+    "allgather": ("gather", "lists"),
+    "allgather_into_tensor_coalesced": ("gather", "lists"),
+    "all_gather_single_coalesced": ("gather", "lists"),
+}
+
+
+def split_faults(faults: Iterable[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """(faults planted inside impl/, collective-level faults)."""
+    faults = frozenset(faults)
+    return faults - set(DIST_FAULTS), faults & set(DIST_FAULTS)
+
+
+def check_faults(faults: Iterable[str], impls: Iterable[str]) -> None:
+    """The one validation of requested fault names (run/gate --faults, fuzz --faults, mutants
+    --only): each is a collective fault (any implementation) or a fault planted in impl/, which
+    needs impl=ours among `impls`. PlanError (exit 2) naming the known ones otherwise."""
+    from harness.adapters.ours import planted_faults
+
+    impl_faults, _ = split_faults(faults)
+    known = planted_faults()
+    unknown = sorted(impl_faults - set(known))
+    if unknown:
+        raise PlanError(f"unknown fault(s) {unknown}; known: collective faults (any impl) {sorted(DIST_FAULTS)}, "
+                        f"planted in impl/ (impl=ours) {sorted(known)}")
+    impls = tuple(impls)
+    if impl_faults and "ours" not in impls:
+        raise PlanError(f"faults {sorted(impl_faults)} are planted in impl/ and apply to --impls ours only, not "
+                        f"{','.join(impls)}; the collective faults {sorted(DIST_FAULTS)} apply to any implementation")
+
+
+def _is_summing(opts) -> bool:
+    if opts is None:  # the default options: a sum
+        return True
+    op = getattr(opts, "reduceOp", opts)  # an options object, or a bare ReduceOp in the older overloads
+    return getattr(op, "op", op) in _SUMMING
+
+
+def _flat(xs) -> list[torch.Tensor]:
+    if isinstance(xs, torch.Tensor):
+        return [xs]
+    return [t for x in xs for t in _flat(x)]
+
+
+def _outputs(layout: str, args: tuple) -> list[torch.Tensor]:
+    """Every tensor the collective writes, flattened (in-place ones: the inputs themselves)."""
+    return _flat(args[0])
+
+
+def _rotate(kind_layout: str, args: tuple, world_size: int) -> None:
+    """Rank r's slot of every all-gather output now holds rank (r + 1) % W's shard."""
+    if kind_layout == "tensor":
+        outs = [args[0]]
+    elif isinstance(args[0], torch.Tensor) or all(isinstance(o, torch.Tensor) for o in args[0]):
+        outs = _flat(args[0])  # coalesced: one concatenated output per input
+    else:
+        for per_input in args[0]:  # list form: one list of W tensors per input
+            values = [t.clone() for t in per_input]
+            for r, t in enumerate(per_input):
+                t.copy_(values[(r + 1) % world_size])
+        return
+    for out in outs:
+        chunks = out.reshape(world_size, -1)  # (W, n): rank order
+        out.copy_(chunks.roll(-1, dims=0).reshape(out.shape))
+
+
+class CollectiveFaults:
+    """The collective faults of one cell or fuzz example, with their state (the stale fault's
+    first results) and how often each met a collective it acts on."""
+
+    def __init__(self, faults: Iterable[str]) -> None:
+        _, self.faults = split_faults(faults)
+        self.acted = dict.fromkeys(sorted(self.faults), 0)
+        self._first_results: dict[tuple, torch.Tensor] = {}
+        self._calls_by_key: dict[tuple, int] = {}
+        self._depth = 0
+        self._originals: dict[str, object] = {}
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """The process group's collectives carry the faults while inside (re-entrant)."""
+        if self._depth == 0:
+            for name in _METHODS:
+                if name in ProcessGroup.__dict__:
+                    # The class's own entry goes back on exit (pybind11 wraps it to bind self);
+                    # getattr gives the unbound function the faulty one calls with the group.
+                    self._originals[name] = ProcessGroup.__dict__[name]
+                    setattr(ProcessGroup, name, self._faulty(name, getattr(ProcessGroup, name)))
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                for name, original in self._originals.items():
+                    setattr(ProcessGroup, name, original)
+                self._originals.clear()
+
+    def _faulty(self, name: str, original):
+        kind, layout = _METHODS[name]
+        plant = self
+
+        def collective(group, *args, **kwargs):
+            return plant._call(group, kind, layout, name, original, args, kwargs)
+
+        collective.__name__ = name
+        return collective
+
+    def _call(self, group, kind: str, layout: str, name: str, original, args: tuple, kwargs: dict):
+        opts = args[-1] if len(args) > 1 else kwargs.get("opts")
+        if kind == "gather":
+            if "dist_rotate_all_gather" not in self.faults:
+                return original(group, *args, **kwargs)
+            work = original(group, *args, **kwargs)
+            if work is not None:
+                work.wait()  # the output is complete only now
+            _rotate(layout, args, group.size())
+            self.acted["dist_rotate_all_gather"] += 1
+            return work
+        outputs = [t for t in _outputs(layout, args)]
+        if not (_is_summing(opts) and outputs and all(t.is_floating_point() for t in outputs)):
+            return original(group, *args, **kwargs)
+        if "dist_drop_last_rank" in self.faults:
+            self.acted["dist_drop_last_rank"] += 1
+            if group.rank() == group.size() - 1:
+                if layout == "inplace":
+                    for t in outputs:
+                        t.zero_()
+                else:
+                    args = (args[0], _zeros_like(args[1]), *args[2:])
+        work = original(group, *args, **kwargs)
+        if work is not None:
+            work.wait()  # post-call faults change the result; a zeroed input must outlive the call
+        for fault, eps in SCALE.items():
+            if fault in self.faults:
+                self.acted[fault] += 1
+                for t in outputs:
+                    t.mul_(1.0 + eps)
+        if "dist_stale_reduction" in self.faults:
+            for t in outputs:
+                key = (name, tuple(t.shape), t.dtype)
+                self._calls_by_key[key] = self._calls_by_key.get(key, 0) + 1
+                if self._calls_by_key[key] == 1:
+                    self._first_results[key] = t.detach().clone()
+                elif self._calls_by_key[key] == 2:
+                    t.copy_(self._first_results.pop(key))
+                    self.acted["dist_stale_reduction"] += 1
+        return work
+
+    def check_acted(self, where: str) -> None:
+        idle = [f for f, n in self.acted.items() if n == 0]
+        if idle:
+            raise RuntimeError(
+                f"{where}: collective fault(s) {idle} {NEVER_ACTED}: the training step issued no torch.distributed "
+                f"collective they act on through the Python process group (a C++ reducer such as DDP's, functional "
+                f"collectives, or too few steps / no repeated shapes for the stale fault); they cannot test this run")
+
+
+def _zeros_like(inputs):
+    if isinstance(inputs, torch.Tensor):
+        return torch.zeros_like(inputs)
+    return [_zeros_like(x) for x in inputs]
+
+
+class PlantedAdapter:
+    """An adapter whose training-step methods run with collective faults armed; everything else
+    (wrap, evidence, checkpoints) passes through unfaulted, with only impl/'s faults in the context."""
+
+    def __init__(self, adapter, plant: CollectiveFaults) -> None:
+        self.adapter = adapter
+        self.plant = plant
+
+    def __getattr__(self, name: str):
+        return getattr(self.adapter, name)
+
+    def _impl_ctx(self, ctx):
+        return replace(ctx, faults=split_faults(ctx.faults)[0])
+
+    def wrap(self, model, wrap_paths, ctx):
+        return self.adapter.wrap(model, wrap_paths, self._impl_ctx(ctx))
+
+    def reshard_checkpoint(self, model, optim, spec, ctx, *args):
+        return self.adapter.reshard_checkpoint(model, optim, spec, self._impl_ctx(ctx), *args)
+
+    def full_state_roundtrip(self, model, build_model, wrap_paths, ctx, directory):
+        return self.adapter.full_state_roundtrip(model, build_model, wrap_paths, self._impl_ctx(ctx), directory)
+
+    def zero_grad(self, *args):
+        with self.plant.armed():
+            return self.adapter.zero_grad(*args)
+
+    def forward_backward(self, *args):
+        with self.plant.armed():
+            return self.adapter.forward_backward(*args)
+
+    def optimizer_step(self, *args):
+        with self.plant.armed():
+            return self.adapter.optimizer_step(*args)
+
+
+def planted(adapter, faults: Iterable[str]):
+    """`adapter` itself when no collective fault is requested (an honest run installs nothing);
+    otherwise a PlantedAdapter carrying them."""
+    plant = CollectiveFaults(faults)
+    return PlantedAdapter(adapter, plant) if plant.faults else adapter
+
+
+def armed(adapter) -> contextlib.AbstractContextManager:
+    """For a worker that drives the wrapped model itself: the faults of a PlantedAdapter armed."""
+    return adapter.plant.armed() if isinstance(adapter, PlantedAdapter) else contextlib.nullcontext()
+
+
+def check_acted(adapter, where: str) -> None:
+    """After a whole cell: raise when a requested collective fault never acted ([Note: Where
+    collective faults act])."""
+    if isinstance(adapter, PlantedAdapter):
+        adapter.plant.check_acted(where)
