@@ -108,6 +108,22 @@ def test_stale_returns_the_first_result_once_for_the_second_reduction_of_a_shape
     assert torch.equal(other_shape, torch.full((3,), 5.0)) and plant.acted == {"dist_stale_reduction": 1}
 
 
+def test_the_faulted_result_survives_a_backend_that_writes_the_output_again_at_each_wait():
+    class RewritingWork:  # as gloo's reduce_scatter_single on torch 2.13 does
+        def __init__(self, out):
+            self.out = out
+
+        def wait(self):
+            self.out.fill_(3.0)
+            return True
+
+    out = torch.empty(2)
+    plant = CollectiveFaults({"dist_scale_1e-5"})
+    work = plant._call(FakeGroup(0, 2), "reduce", "tensor", "reduce_scatter_single",
+                       lambda group, o, i, opts: RewritingWork(o), (out, torch.ones(4), None), {})
+    assert work.wait() and work.wait() and torch.equal(out, torch.full((2,), 3.0) * (1 + 1e-5))
+
+
 def test_a_fault_that_never_acted_is_an_error_naming_it():
     plant = CollectiveFaults({"dist_stale_reduction", "dist_scale_1e-5"})
     _all_reduce(plant, 0, torch.ones(2))

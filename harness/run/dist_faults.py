@@ -179,7 +179,7 @@ class CollectiveFaults:
                 work.wait()  # the output is complete only now
             _rotate(layout, args, group.size())
             self.acted["dist_rotate_all_gather"] += 1
-            return work
+            return _Delivered.of(work, _flat(args[0]))
         outputs = [t for t in _outputs(layout, args)]
         if not (_is_summing(opts) and outputs and all(t.is_floating_point() for t in outputs)):
             return original(group, *args, **kwargs)
@@ -208,7 +208,7 @@ class CollectiveFaults:
                 elif self._calls_by_key[key] == 2:
                     t.copy_(self._first_results.pop(key))
                     self.acted["dist_stale_reduction"] += 1
-        return work
+        return _Delivered.of(work, outputs)
 
     def check_acted(self, where: str) -> None:
         idle = [f for f, n in self.acted.items() if n == 0]
@@ -217,6 +217,32 @@ class CollectiveFaults:
                 f"{where}: collective fault(s) {idle} {NEVER_ACTED}: the training step issued no torch.distributed "
                 f"collective they act on through the Python process group (a C++ reducer such as DDP's, functional "
                 f"collectives, or too few steps / no repeated shapes for the stale fault); they cannot test this run")
+
+
+class _Delivered:
+    """The collective's Work, whose wait() delivers the faulted result however often it is called.
+
+    A backend may complete the output inside wait() (gloo's reduce_scatter_single on torch 2.13
+    writes it again at each wait, measured: a result scaled after the first wait was overwritten
+    by the caller's own wait), so the faulted values are copied back after every wait."""
+
+    def __init__(self, work, outputs: list[torch.Tensor]) -> None:
+        self._work = work
+        self._outputs = outputs
+        self._faulted = [t.detach().clone() for t in outputs]
+
+    @classmethod
+    def of(cls, work, outputs: list[torch.Tensor]):
+        return None if work is None else cls(work, outputs)
+
+    def wait(self, *args, **kwargs):
+        done = self._work.wait(*args, **kwargs)
+        for t, faulted in zip(self._outputs, self._faulted):
+            t.copy_(faulted)
+        return done
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
 
 
 def _zeros_like(inputs):
