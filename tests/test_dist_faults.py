@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllreduceOptions, ProcessGroup, ReduceScatterOptions
+from torch.distributed import AllreduceOptions, ProcessGroup, ReduceScatterOptions
 
 from harness import cli
 from harness.adapters.base import RankContext

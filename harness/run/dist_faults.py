@@ -35,7 +35,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup
+from torch.distributed import ProcessGroup
 
 from harness.errors import PlanError
 
