@@ -59,6 +59,17 @@ class HangOnRank1(Ours):
         return super().wrap(model, wrap_paths, ctx)
 
 
+class HangOnRank1AtWorldSize2(Ours):
+    """HangOnRank1 at W = 2 only: a run of several world sizes must still run the others."""
+
+    name = "hang_on_rank1_at_w2"
+
+    def wrap(self, model, wrap_paths, ctx):
+        if ctx.rank == 1 and ctx.world_size == 2:
+            dist.recv(torch.zeros(1), src=0, group=ctx.group)  # never sent: blocks forever
+        return super().wrap(model, wrap_paths, ctx)
+
+
 # Failures after the last snapshot: every cell's evidence is on disk, yet the launch did not end
 # cleanly, so no cell of it may pass (harness/run/orchestrate.py).
 

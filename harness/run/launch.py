@@ -140,14 +140,17 @@ class Launch:
         """`head`, then each rank's traceback or stacks as one prefixed block (torchrun's tail if none)."""
         return head + "\n" + failure_blocks(self.rank_logs(), self.launcher_output(), stacks=True)
 
-    def run(self, on_poll: Callable[[], None] | None = None) -> LaunchResult:
+    def run(self, on_poll: Callable[[], None] | None = None,
+            elapsed: Callable[[], float] | None = None) -> LaunchResult:
         """Start, wait for the end or the timeout (stacks dumped), kill what is left; never raises
-        for a rank's failure."""
+        for a rank's failure. `elapsed`: the seconds counted against the timeout (default: since
+        the start; a launch of several world sizes counts from the start of the current one)."""
         self.start()
         timed_out = False
+        elapsed = elapsed or (lambda: time.monotonic() - self.started_at)
         try:
             while self.poll() is None:
-                if self.spec.timeout_s is not None and time.monotonic() - self.started_at > self.spec.timeout_s:
+                if self.spec.timeout_s is not None and elapsed() > self.spec.timeout_s:
                     timed_out = True
                     self.dump_stacks()
                     break
@@ -182,16 +185,17 @@ def launch(
     cells: tuple[Cell, ...],
     label: str,
     on_poll: Callable[[], None] | None = None,
+    elapsed: Callable[[], float] | None = None,
 ) -> LaunchResult:
-    """Run `cells` in one torchrun of `world_size` ranks (harness/run/worker.py); never raises for a
-    rank's failure."""
+    """Run `cells` in one torchrun of `world_size` ranks (harness/run/worker.py; cells of smaller
+    world sizes run in the ranks below theirs); never raises for a rank's failure."""
     log_dir = plan.log_dir / label
     log_dir.mkdir(parents=True, exist_ok=True)
     plan_file = (log_dir / "plan.json").resolve()
     write_launch_plan(plan_file, plan, world_size, cells)
     spec = TorchrunSpec(world_size, "harness.run.worker", (str(plan_file),), log_dir, plan.timeout_s, plan.threads,
                         plan.extra_pythonpath)
-    result = Launch(spec).run(on_poll)
+    result = Launch(spec).run(on_poll, elapsed)
     return dataclasses.replace(result, cell_ids=tuple(c.cell_id for c in cells))
 
 

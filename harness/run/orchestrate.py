@@ -1,11 +1,23 @@
-"""The parent process of a run: initial states, one launch per world size, then diff and report.
+"""The parent process of a run: initial states, one launch for every world size, then diff and report.
 
-Every launch outcome counts. A cell is complete when every rank got past the barrier after it
-(rank 0 then writes its completion record, stamped with the run id). When a launch fails (a
-rank exits non-zero or is killed, or the launch times out):
+[Note: One launch, every world size]
+Start-up (torchrun, python and torch imports in every rank, the first optimizer's lazy imports)
+is paid once per run: one torchrun of max(W) ranks runs the cells of every world size in
+ascending order, the cells of world size W in ranks 0..W-1 in a default process group of their
+own (harness/run/worker.py `_join_world`), while the ranks above W wait for a larger world size.
+Each world size's process group is a fresh W-rank world, as in a launch of W ranks, so
+adapters that build meshes over the world need nothing else; tests/test_harness_runs.py checks
+that every cell's evidence is bitwise that of a launch of its own (--launch-per-cell).
+--timeout applies to each world size: counted from the launch's start for the first, from the
+completion of the previous world size's last cell for the others.
+
+Every launch outcome counts. A cell is complete when every rank of its world size got past the
+barrier after it (rank 0 then writes its completion record, stamped with the run id). When a
+launch fails (a rank exits non-zero or is killed, or the launch times out):
 - the first incomplete cell is the one it was running: it becomes an `error` with the ranks'
-  tracebacks or stacks; the cells after it are launched again without it (not after a timeout:
-  a hang is not retried, so the run ends within --timeout per launch);
+  tracebacks or stacks; the cells after it are launched again without it (after a timeout,
+  only those of larger world sizes: a hang is not retried, so each world size ends within
+  --timeout);
 - when every cell was complete, the failure came after the last cell (raising in
   destroy_process_group, hanging or exiting non-zero at interpreter exit): every cell of that
   launch becomes an `error`, snapshots or not. Evidence from a launch that did not end cleanly
@@ -14,6 +26,7 @@ rank exits non-zero or is killed, or the launch times out):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -82,11 +95,39 @@ class Progress:
             self.stream.write("\n")
 
 
-def _launch_groups(plan: RunPlan, world_size: int) -> list[tuple[Cell, ...]]:
-    cells = plan.cells_for(world_size)
+def _launch_groups(plan: RunPlan) -> list[tuple[Cell, ...]]:
+    """Cells in the order they run: the references, then every world size ascending."""
+    cells = tuple(c for w in plan.world_sizes for c in plan.cells_for(w))
     if plan.launch_per_cell:
         return [(c,) for c in cells]
     return [cells] if cells else []
+
+
+def _runs_at(plan: RunPlan, cell: Cell) -> int:
+    """The world size whose ranks run `cell`: the references run with the smallest (rank 0 alone)."""
+    return plan.world_sizes[0] if cell.is_reference else cell.world_size
+
+
+class _WorldSizeClock:
+    """Seconds the current world size of a launch has run: since the launch started for the first,
+    since the previous world size's last cell completed for the others."""
+
+    def __init__(self, plan: RunPlan, cells: list[Cell]) -> None:
+        self.plan, self.cells = plan, cells
+        self.done = 0  # cells[:done] are complete
+        self.world_size = _runs_at(plan, cells[0]) if cells else 0
+        self.since = time.monotonic()
+
+    def current(self) -> Cell | None:
+        while self.done < len(self.cells) and cell_done(self.plan, self.cells[self.done]):
+            self.done += 1
+        return self.cells[self.done] if self.done < len(self.cells) else None
+
+    def __call__(self) -> float:
+        cell = self.current()
+        if cell is not None and _runs_at(self.plan, cell) != self.world_size:
+            self.world_size, self.since = _runs_at(self.plan, cell), time.monotonic()
+        return time.monotonic() - self.since
 
 
 def run_plan(plan: RunPlan, progress: Progress | None = None,
@@ -94,45 +135,49 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
     start = time.monotonic()
     outcome = RunOutcome(plan)
     write_init_states(plan)
-    for world_size in plan.world_sizes:
-        for group in _launch_groups(plan, world_size):
-            pending = list(group)  # never resumed from files: every cell runs in this run
-            attempt = 0
-            while pending:
-                label = f"w{world_size}-{pending[0].cell_id}-{attempt}" if plan.launch_per_cell else f"w{world_size}-{attempt}"
-                poll = (lambda w=world_size: progress.update(w)) if progress else None
-                result = launch(plan, world_size, tuple(pending), label, on_poll=poll)
-                outcome.launches.append(result)
-                if on_launch is not None:
-                    on_launch(result)
-                unfinished = [c for c in pending if not cell_done(plan, c)]
+    for group in _launch_groups(plan):
+        pending = list(group)  # never resumed from files: every cell runs in this run
+        attempt = 0
+        while pending:
+            sizes = sorted({_runs_at(plan, c) for c in pending})
+            label = (f"w{sizes[0]}-{pending[0].cell_id}-{attempt}" if plan.launch_per_cell
+                     else f"w{'_'.join(map(str, sizes))}-{attempt}")
+            clock = _WorldSizeClock(plan, pending)
+            poll = (lambda: (clock(), progress.update(clock.world_size))) if progress else None
+            result = launch(plan, sizes[-1], tuple(pending), label, on_poll=poll, elapsed=clock)
+            unfinished = [c for c in pending if not cell_done(plan, c)]
+            if unfinished and len(sizes) > 1:  # name the world size the launch was running
+                result = dataclasses.replace(result, world_size=_runs_at(plan, unfinished[0]))
+            outcome.launches.append(result)
+            if on_launch is not None:
+                on_launch(result)
+            for cell in pending:
+                if cell not in unfinished:
+                    outcome.cell_wall_s[cell.cell_id] = cell_wall_s(plan, cell)
+            if unfinished and not result.ok:  # the first unfinished cell ran until the launch ended
+                finished_s = sum(outcome.cell_wall_s[c.cell_id] for c in pending if c not in unfinished)
+                outcome.cell_wall_s[unfinished[0].cell_id] = max(0.0, result.wall_s - finished_s)
+            if result.ok:
+                for cell in unfinished:  # exited 0 without finishing it: a worker bug
+                    outcome.errors[cell.cell_id] = f"launch W={sizes[-1]} exited 0 without completing this cell"
+                break
+            if not unfinished:
+                text = ("every cell of this launch had completed when it failed (a rank raised, hung or exited "
+                        "non-zero after its last cell, e.g. at exit); its evidence is not judged.\n"
+                        + result.failure_text())
                 for cell in pending:
-                    if cell not in unfinished:
-                        outcome.cell_wall_s[cell.cell_id] = cell_wall_s(plan, cell)
-                if unfinished and not result.ok:  # the first unfinished cell ran until the launch ended
-                    finished_s = sum(outcome.cell_wall_s[c.cell_id] for c in pending if c not in unfinished)
-                    outcome.cell_wall_s[unfinished[0].cell_id] = max(0.0, result.wall_s - finished_s)
-                if result.ok:
-                    for cell in unfinished:  # exited 0 without finishing it: a worker bug
-                        outcome.errors[cell.cell_id] = f"launch W={world_size} exited 0 without completing this cell"
-                    break
-                if not unfinished:
-                    text = ("every cell of this launch had completed when it failed (a rank raised, hung or exited "
-                            "non-zero after its last cell, e.g. at exit); its evidence is not judged.\n"
-                            + result.failure_text())
-                    for cell in pending:
-                        outcome.errors[cell.cell_id] = text
-                    break
-                culprit, pending = unfinished[0], unfinished[1:]
-                outcome.errors[culprit.cell_id] = result.failure_text()
-                if result.timed_out:
-                    # A hang is not retried: each retry could cost another --timeout, and the
-                    # run must end within --timeout (per launch) plus a few seconds.
-                    for cell in pending:
-                        outcome.errors[cell.cell_id] = (f"not run: launch W={world_size} timed out while "
-                                                        f"running {culprit.cell_id}")
-                    break
-                attempt += 1
+                    outcome.errors[cell.cell_id] = text
+                break
+            culprit, pending = unfinished[0], unfinished[1:]
+            outcome.errors[culprit.cell_id] = result.failure_text()
+            if result.timed_out:
+                # A hang is not retried: each retry could cost another --timeout, and each world
+                # size must end within --timeout plus a few seconds. Larger world sizes still run.
+                hung = _runs_at(plan, culprit)
+                for cell in [c for c in pending if _runs_at(plan, c) == hung]:
+                    outcome.errors[cell.cell_id] = f"not run: launch W={hung} timed out while running {culprit.cell_id}"
+                pending = [c for c in pending if _runs_at(plan, c) != hung]
+            attempt += 1
     if progress is not None:
         progress.update(plan.world_sizes[-1])
         progress.finish()

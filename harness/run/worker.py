@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
+from datetime import timedelta
 from dataclasses import replace
 from pathlib import Path
 
@@ -251,34 +253,77 @@ def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.T
     return out
 
 
+# A rank waits this long for the other ranks of its next world size: the ranks below it may train
+# the smaller world sizes for many minutes first. A hang is ended by the parent's --timeout per
+# world size (harness/run/orchestrate.py), not by this.
+SEGMENT_WAIT = timedelta(hours=24)
+
+
+def _join_world(world: RankContext, world_size: int, segment: int, backend: str) -> RankContext | None:
+    """[Note: One launch, every world size] This rank's context in a fresh default process group of
+    the ranks below `world_size`, or None when this rank sits this world size out."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if world.rank >= world_size:
+        return None
+    # What a launch of `world_size` ranks would have set (torchrun's variables, read by some engines).
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE"):
+        os.environ[var] = str(world_size)
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=SEGMENT_WAIT)
+    store = dist.PrefixStore(f"harness/segment{segment}", base)
+    store.set(f"arrived/{world.rank}", "1")
+    store.wait([f"arrived/{r}" for r in range(world_size)], SEGMENT_WAIT)
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=world.rank, world_size=world_size)
+    return RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, world.device)
+
+
 def main(argv: list[str]) -> int:
     plan = json.loads(Path(argv[1]).read_text())
-    world = rank_prologue(plan["threads"], plan.get("backend", "gloo"), plan.get("device", "cpu"))
+    backend = plan.get("backend", "gloo")
+    world = rank_prologue(plan["threads"], backend, plan.get("device", "cpu"))
     if world.world_size != plan["world_size"]:
         raise RuntimeError(f"rank {world.rank}: WORLD_SIZE={world.world_size} but the plan is for {plan['world_size']}")
     cells = [Cell.from_json(c) for c in plan["cells"]]
+    sizes = [c.world_size for c in cells if not c.is_reference]
+    if sizes != sorted(sizes) or (sizes and sizes[-1] != world.world_size):
+        raise RuntimeError(f"rank {world.rank}: the plan's cells run at world sizes {sizes}: they must ascend and "
+                           f"end at this launch's {world.world_size} ranks")
     init_dir, snapshot_dir, run_id = Path(plan["init_dir"]), Path(plan["snapshot_dir"]), plan["run_id"]
+    # The first optimizer of a process imports torch._dynamo (torch.optim's constructors are
+    # wrapped by torch._compile._disable_dynamo), seconds of CPU: done here, a rank that sits the
+    # small world sizes out pays it while the ranks below train, not on their critical path.
+    import torch._dynamo  # noqa: F401
+    ctx: RankContext | None = world  # this rank in the current world size's group, None: sitting out
+    current, segment = world.world_size, -1
     for i, cell in enumerate(cells):
+        world_size = cell.world_size if not cell.is_reference else (sizes[0] if sizes else world.world_size)
+        if world_size != current:
+            current, segment = world_size, segment + 1
+            ctx = _join_world(world, world_size, segment, backend)
+        if ctx is None:
+            continue  # this rank sits this world size out
         case = get_case(cell.case)
         init_state = load_state(init_dir / f"{case.name}.pt", run_id)
         start = time.perf_counter()
         for spec in case.optimizers:
-            if not resolve_impl(cell.impl).needs_process_group and world.rank != 0:
+            if not resolve_impl(cell.impl).needs_process_group and ctx.rank != 0:
                 continue  # a single-process cell (the reference) runs on rank 0 alone
-            snapshot = run_cell(cell, spec, init_state, world, snapshot_dir / "scratch")
+            snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch")
             if snapshot is not None:
                 snapshot["run_id"] = run_id
                 save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
         dist.barrier()  # every rank finished this cell: a failure later in the launch is not its
-        if world.rank == 0:  # wall_s: the cell's time in the ranks, its JUnit test case's time
+        if ctx.rank == 0:  # wall_s: the cell's time in the ranks, its JUnit test case's time
             write_atomic_text(complete_path(snapshot_dir, cell.cell_id),
                               json.dumps({"run_id": run_id, "cell_id": cell.cell_id,
                                           "wall_s": round(time.perf_counter() - start, 3)}) + "\n")
         dist.barrier()  # no rank goes on (and may fail at exit) before the record exists
-        if world.rank == 0:
-            print(f"[harness] W={world.world_size} cell {i + 1}/{len(cells)} {cell.cell_id} "
+        if ctx.rank == 0:
+            print(f"[harness] W={ctx.world_size} cell {i + 1}/{len(cells)} {cell.cell_id} "
                   f"{time.perf_counter() - start:.2f}s", flush=True)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 

@@ -1,0 +1,98 @@
+"""[Note: One launch, every world size] (harness/run/orchestrate.py): one torchrun runs the cells
+of every world size, each world size in a fresh process group of its own ranks. Its evidence must
+be bitwise that of a launch per cell, and a world size that hangs must end alone."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.run.snapshot import load_snapshot, save_snapshot
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGINS = "tests/test_harness_plugins.py"
+
+
+def _harness(args: list[str], timeout: float) -> tuple[int, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "harness", *args, "--quiet"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    t = t.detach().reshape(-1).clone(memory_format=torch.contiguous_format)
+    return bytes(t.view(torch.uint8).numpy()) if t.dtype != torch.bool else bytes(t.numpy())
+
+
+def _differences(a, b, path: str = "") -> list[str]:
+    """Every place two snapshots differ: tensors bit for bit, everything else by value (run_id aside)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a.dtype, a.shape) == (b.dtype, b.shape)
+                and _bits(a) == _bits(b))
+        return [] if same else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path}: keys {sorted(set(a) ^ set(b))}"]
+        return [d for k in a if k != "run_id" for d in _differences(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} != {len(b)} entries"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return []
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def _snapshot_files(out: Path) -> list[Path]:
+    return sorted(p.relative_to(out) for p in out.glob("snapshots/*/*.pt"))
+
+
+@pytest.mark.slow
+def test_every_world_size_in_one_launch_is_bitwise_a_launch_per_cell(tmp_path):
+    common = ["run", "--cases", "mlp", "--impls", "ours,fsdp2", "--world-sizes", "1,2", "--data", "split",
+              "--steps", "2", "--timeout", "600"]
+    rc, output = _harness([*common, "--out", str(tmp_path / "one")], timeout=1200)
+    assert rc == 0, output[-3000:]
+    assert sorted(p.name for p in (tmp_path / "one" / "logs").iterdir()) == ["w1_2-0"]  # one torchrun
+    rc, output = _harness([*common, "--launch-per-cell", "--out", str(tmp_path / "own")], timeout=1800)
+    assert rc == 0, output[-3000:]
+    files = _snapshot_files(tmp_path / "one")
+    assert len(files) == 2 * 5 and files == _snapshot_files(tmp_path / "own")  # 4 cells + ref, sgd and adamw
+    for rel in files:
+        one, own = load_snapshot(tmp_path / "one" / rel), load_snapshot(tmp_path / "own" / rel)
+        assert one["steps"] and one["init"]["params"]
+        assert _differences(one, own) == [], rel
+    # The comparison sees one flipped bit in one element of one step's shadow state.
+    rel = Path("snapshots/mlp.fsdp2.w2.split/adamw.pt")
+    damaged = load_snapshot(tmp_path / "own" / rel)
+    name, state = next(iter(damaged["steps"][-1]["shadow"]["state"].items()))
+    tensor = next(iter(state.values()))
+    tensor.view(-1)[0] = torch.nextafter(tensor.view(-1)[0], torch.tensor(math.inf, dtype=tensor.dtype))
+    shutil.copy(tmp_path / "own" / rel, tmp_path / "copy.pt")
+    save_snapshot(tmp_path / "copy.pt", damaged)
+    assert len(_differences(load_snapshot(tmp_path / "one" / rel), load_snapshot(tmp_path / "copy.pt"))) == 1
+
+
+@pytest.mark.slow
+def test_a_world_size_that_hangs_ends_alone_and_the_larger_one_still_runs(tmp_path):
+    out = tmp_path / "out"
+    timeout = 90  # per world size; the first one's includes the launch's start-up
+    rc, output = _harness(["run", "--cases", "mlp", "--impls", f"{PLUGINS}:HangOnRank1AtWorldSize2",
+                           "--world-sizes", "2,4", "--data", "identical", "--steps", "1",
+                           "--timeout", str(timeout), "--out", str(out)], timeout=900)
+    assert rc == 1, output[-3000:]
+    cells = {c["world_size"]: c for c in json.loads((out / "summary.json").read_text())["cells"]}
+    assert cells[2]["verdict"] == "error" and "launch W=2 timed out" in cells[2]["error"], cells[2]["error"][-2000:]
+    assert "[rank 1]" in cells[2]["error"] and "in wrap" in cells[2]["error"], cells[2]["error"][-2000:]
+    assert cells[4]["verdict"] == "pass", cells[4]
+    # The first launch ran W = 2 and W = 4 (it ended in the hang); the second W = 4 alone.
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["w2_4-0", "w4-1"]
