@@ -184,6 +184,18 @@ def test_bad_fault_names_are_exit_2_in_one_line_before_any_rank(tmp_path, capsys
     assert not (tmp_path / "out").exists()  # refused before anything was written or launched
 
 
+def test_mutants_refuses_two_implementations_of_one_name_before_any_rank(tmp_path, capsys):
+    for stem in ("a", "b"):
+        (tmp_path / f"{stem}.py").write_text("from harness.adapters import Adapter\n\n\nclass Same(Adapter):\n"
+                                             "    name = 'same'\n\n    def wrap(self, model, wrap_paths, ctx):\n"
+                                             "        return model\n")
+    rc = cli.main(["mutants", "--impls", f"{tmp_path / 'a.py'}:Same,{tmp_path / 'b.py'}:Same", "--out",
+                   str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "share the name 'same'" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_table_reports_a_fault_an_implementation_cannot_take_as_not_applicable():
     impl_only = MutantRow("no_grad_average", "a bug", [], "n/a: planted inside impl/, impl=ours only")
     idle = MutantRow("dist_scale_1e-5", "a bug", [Evidence("gate mlp.ddp.w2.split.dist_scale_1e-5",

@@ -19,7 +19,6 @@ largest |diff| / tol of every tolerance check over every honest cell and corpus 
 from __future__ import annotations
 
 import math
-import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -301,6 +300,7 @@ def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
         raise UserError(f"mutants world sizes {list(gate_world_sizes)}: every fault needs W >= 2 to act")
     if not impls or len(set(impls)) != len(impls):
         raise UserError(f"mutants --impls {','.join(impls)}: name each implementation once")
+    names: dict[str, str] = {}  # adapter name (its output subdirectory) -> the --impls entry
     for impl in impls:
         try:
             adapter = resolve_impl(impl)
@@ -308,6 +308,10 @@ def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
             raise UserError(str(e)) from None
         if not adapter.needs_process_group:
             raise UserError(f"mutants --impls {impl} runs without a process group: no fault can act on it")
+        if adapter.name in names:
+            raise UserError(f"mutants --impls {names[adapter.name]} and {impl} share the name {adapter.name!r}; "
+                            f"give one of them another `name`")
+        names[adapter.name] = impl
     everything = {**planted, **DIST_FAULTS}
     faults = list(only) if only else sorted(planted) + sorted(DIST_FAULTS)
     check_faults(faults, impls if only else ("ours",))
@@ -317,8 +321,8 @@ def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
     with OutputDir(out_dir, uuid.uuid4().hex, ("gate", "fuzz", "mutants.md")):
         start = time.monotonic()
         sections, ok = [], True
-        for impl in impls:
-            sub = Path() if len(impls) == 1 else Path(re.sub(r"\W+", "_", impl))
+        for name, impl in names.items():
+            sub = Path() if len(impls) == 1 else Path(name)
             impl_ok, text = _run(out_dir, sub, impl, faults, everything, timeout_s, gate_world_sizes,
                                  corpus_world_sizes, tuple(arch_cases))
             sections.append(text if len(impls) == 1 else f"## impl={impl}: {'PASS' if impl_ok else 'FAIL'}\n\n{text}")
