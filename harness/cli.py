@@ -67,7 +67,7 @@ def _add_matrix_args(p: argparse.ArgumentParser, *, cases, impls, world_sizes, d
     p.add_argument("--world-sizes", default=world_sizes, help=f"comma-separated (default {world_sizes})")
     p.add_argument("--data", default=data, help=f"identical,split (default {data})")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the case's)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun launch, one launch per world size (default 600)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per world size (one torchrun runs them all, default 600)")
     p.add_argument("--out", default=out, help=f"output directory (default {out})")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads in every rank (default 1)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend (default gloo)")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,29 +56,31 @@ def _snapshot_files(out: Path) -> list[Path]:
 
 
 @pytest.mark.slow
-def test_every_world_size_in_one_launch_is_bitwise_a_launch_per_cell(tmp_path):
-    common = ["run", "--cases", "mlp", "--impls", "ours,fsdp2", "--world-sizes", "1,2", "--data", "split",
-              "--steps", "2", "--timeout", "600"]
-    rc, output = _harness([*common, "--out", str(tmp_path / "one")], timeout=1200)
-    assert rc == 0, output[-3000:]
-    assert sorted(p.name for p in (tmp_path / "one" / "logs").iterdir()) == ["w1_2-0"]  # one torchrun
-    rc, output = _harness([*common, "--launch-per-cell", "--out", str(tmp_path / "own")], timeout=1800)
-    assert rc == 0, output[-3000:]
-    files = _snapshot_files(tmp_path / "one")
-    assert len(files) == 2 * 5 and files == _snapshot_files(tmp_path / "own")  # 4 cells + ref, sgd and adamw
+def test_every_world_size_in_one_launch_is_bitwise_a_launch_of_its_own(tmp_path):
+    """W = 1 and 2 in one launch (each in a process group formed after the launch's own was given
+    up) against a launch of W = 1 and a launch of W = 2 (each in the launch's own group)."""
+    common = ["run", "--cases", "mlp", "--impls", "ours,fsdp2", "--data", "split", "--steps", "2", "--timeout", "600"]
+    runs = {"both": "1,2", "w1": "1", "w2": "2"}
+    for name, sizes in runs.items():
+        rc, output = _harness([*common, "--world-sizes", sizes, "--out", str(tmp_path / name)], timeout=1200)
+        assert rc == 0, output[-3000:]
+        assert len(list((tmp_path / name / "logs").iterdir())) == 1  # one torchrun
+    files = _snapshot_files(tmp_path / "both")
+    assert len(files) == 2 * 5  # 4 cells and the reference, sgd and adamw
+    own = {rel: tmp_path / ("w1" if ".w1." in str(rel) else "w2") / rel for rel in files}
+    assert sorted(set(_snapshot_files(tmp_path / "w1")) | set(_snapshot_files(tmp_path / "w2"))) == files
     for rel in files:
-        one, own = load_snapshot(tmp_path / "one" / rel), load_snapshot(tmp_path / "own" / rel)
+        one = load_snapshot(tmp_path / "both" / rel)
         assert one["steps"] and one["init"]["params"]
-        assert _differences(one, own) == [], rel
+        assert _differences(one, load_snapshot(own[rel])) == [], rel
     # The comparison sees one flipped bit in one element of one step's shadow state.
     rel = Path("snapshots/mlp.fsdp2.w2.split/adamw.pt")
-    damaged = load_snapshot(tmp_path / "own" / rel)
-    name, state = next(iter(damaged["steps"][-1]["shadow"]["state"].items()))
+    damaged = load_snapshot(own[rel])
+    state = next(iter(damaged["steps"][-1]["shadow"]["state"].values()))
     tensor = next(iter(state.values()))
     tensor.view(-1)[0] = torch.nextafter(tensor.view(-1)[0], torch.tensor(math.inf, dtype=tensor.dtype))
-    shutil.copy(tmp_path / "own" / rel, tmp_path / "copy.pt")
-    save_snapshot(tmp_path / "copy.pt", damaged)
-    assert len(_differences(load_snapshot(tmp_path / "one" / rel), load_snapshot(tmp_path / "copy.pt"))) == 1
+    save_snapshot(tmp_path / "damaged.pt", damaged)
+    assert len(_differences(load_snapshot(tmp_path / "both" / rel), load_snapshot(tmp_path / "damaged.pt"))) == 1
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -177,6 +178,7 @@ def harness_throughput(cfg: BenchConfig, work: Path) -> dict:
         if proc.returncode != 0:
             raise BenchError(f"harness run ({label}) exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     return {
+        **fuzz_rate(cfg, work),
         "matrix": "mlp,transformer x ours,fsdp2 x W=1,2,4,8 x identical,split (32 cells)",
         "bare_launch_floor_s": floor,
         "batched_s": walls["batched"],
@@ -184,6 +186,27 @@ def harness_throughput(cfg: BenchConfig, work: Path) -> dict:
         "batched_ratio_vs_floor": walls["batched"] / floor,
         "per_cell_ratio_vs_batched": walls["per_cell"] / walls["batched"],
     }
+
+
+FUZZ_WORLD_SIZE = 4
+FUZZ_EXAMPLES = 40
+FUZZ_RATE = re.compile(r"^\[fuzz\] impl=ours W=(\d+) .*: (\d+) examples \(shrinking included\) in ([0-9.]+)s = "
+                       r"([0-9.]+) examples/s; pool start-up ([0-9.]+)s", re.MULTILINE)
+
+
+def fuzz_rate(cfg: BenchConfig, work: Path) -> dict:
+    """`python -m harness fuzz` at W = FUZZ_WORLD_SIZE, as a user runs it: examples per second
+    after the pool's start-up (the line the fuzzer prints), and the start-up itself."""
+    cmd = [sys.executable, "-m", "harness", "fuzz", "--world-size", str(FUZZ_WORLD_SIZE), "--max-examples",
+           str(FUZZ_EXAMPLES), "--threads", str(cfg.threads), "--out", str(work / "fuzz")]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=cfg.timeout_s)
+    match = FUZZ_RATE.search(proc.stdout)
+    if proc.returncode != 0 or match is None:
+        raise BenchError(f"harness fuzz exited {proc.returncode} without its rate line:\n"
+                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return {"fuzz_world_size": int(match.group(1)), "fuzz_examples": int(match.group(2)),
+            "fuzz_s": float(match.group(3)), "fuzz_examples_per_s": float(match.group(4)),
+            "fuzz_start_up_s": float(match.group(5))}
 
 
 def environment(cfg: BenchConfig) -> dict:
@@ -322,6 +345,10 @@ def render_markdown(result: dict) -> str:
                             ["one torchrun per cell", f"{t['per_cell_s']:.1f}", f"{t['per_cell_s'] / t['bare_launch_floor_s']:.2f}"]],
                            headers=["matrix: " + t["matrix"], "wall s", "x floor"], tablefmt="github"),
                   "", f"One launch per cell is {t['per_cell_ratio_vs_batched']:.2f}x the batched wall time."]
+        if "fuzz_examples_per_s" in t:
+            lines += ["", f"Fuzz (`python -m harness fuzz --world-size {t['fuzz_world_size']}`, same run): "
+                      f"{t['fuzz_examples_per_s']:.1f} examples/s ({t['fuzz_examples']} examples in {t['fuzz_s']:.1f} s, "
+                      f"shrinking included), after a pool start-up of {t['fuzz_start_up_s']:.1f} s paid once."]
     return "\n".join(lines) + "\n"
 
 
