@@ -171,8 +171,9 @@ def cmd_run(args, argv: list[str]) -> int:
 
         baseline = load_baseline(args.baseline, plan)  # refused before any rank starts
     with OutputDir(plan.out_dir, plan.run_id, RUN_GENERATED) as output:  # owned and locked, or exit 2
-        outcome = run_plan(plan, None if args.quiet else Progress(plan))
-        cells, references, matrices = evaluate(plan, outcome)
+        progress = None if args.quiet else Progress(plan)
+        outcome = run_plan(plan, progress)
+        cells, references, matrices = evaluate(plan, outcome, None if progress is None else progress.judged)
         command = "python -m harness " + " ".join(shlex.quote(a) for a in argv)
         report = build_report(cells, references, matrices, outcome, command)
         baseline_results = []

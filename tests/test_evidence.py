@@ -87,6 +87,13 @@ def test_the_honest_evidence_passes(run):
         assert compared == set(diff.CHECK_ORDER) - {"padding"}, (kind, compared)
 
 
+def test_judging_reports_its_progress_once_per_cell(run):
+    seen = []
+    evaluate(run, RunOutcome(run), judged=lambda done, total: seen.append((done, total)))
+    total = len(run.references) + len(run.cells)
+    assert seen == [(k, total) for k in range(total + 1)], seen
+
+
 def _drop_last_step(snap):
     snap["steps"].pop()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,8 +81,12 @@ def _trajectory(snap: dict, order: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def evaluate(plan: RunPlan, outcome: RunOutcome) -> tuple[list[CellResult], list[CellResult], list[Matrix]]:
-    """(results of the cells under test, results of the reference cells, W x W matrices)."""
+def evaluate(plan: RunPlan, outcome: RunOutcome, judged: Callable[[int, int], None] | None = None
+             ) -> tuple[list[CellResult], list[CellResult], list[Matrix]]:
+    """(results of the cells under test, results of the reference cells, W x W matrices).
+
+    `judged(done, total)` is called before the first cell and after each one (long runs judge for
+    minutes: the caller shows it)."""
     snapshots: dict[tuple[str, str], dict] = {}  # only evidence that passed check_snapshot_evidence
     case_names = sorted({c.case for c in plan.cells + plan.references})
     init_states: dict[str, dict | str] = {}  # a state, or why there is none
@@ -151,8 +156,15 @@ def evaluate(plan: RunPlan, outcome: RunOutcome) -> tuple[list[CellResult], list
             result.verdict = "fail"
         return result
 
-    references = [result_for(c) for c in plan.references]
-    cells = [result_for(c) for c in plan.cells]
+    order = plan.references + plan.cells  # references first: the cells are judged against them
+    results: list[CellResult] = []
+    for cell in order:
+        if judged is not None:
+            judged(len(results), len(order))
+        results.append(result_for(cell))
+    if judged is not None:
+        judged(len(results), len(order))
+    references, cells = results[:len(plan.references)], results[len(plan.references):]
 
     matrices = []
     groups = sorted({(c.case, c.impl, c.data_mode) for c in plan.cells})

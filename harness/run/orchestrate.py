@@ -90,6 +90,14 @@ class Progress:
             self.stream.flush()
         self.last = line
 
+    def judged(self, done: int, total: int) -> None:
+        """'cells judged / total' while the parent judges (minutes for long runs of big models)."""
+        line = f"[harness] judging: {done}/{total} cells judged, {time.monotonic() - self.start:.0f}s"
+        self.stream.write(("\r" + line) if self.tty else (line + "\n"))
+        if self.tty and done == total:
+            self.stream.write("\n")
+        self.stream.flush()
+
     def finish(self) -> None:
         if self.tty:
             self.stream.write("\n")
