@@ -27,9 +27,15 @@ class InProcessPool:
     def __init__(self, corrupt=None) -> None:
         self.corrupt = corrupt
         self.num_requests = 0
+        self._requests: dict[int, dict] = {}
 
-    def run(self, request: dict) -> list[dict]:
+    def submit(self, request: dict) -> int:
         self.num_requests += 1
+        self._requests[self.num_requests] = request
+        return self.num_requests
+
+    def collect(self, i: int) -> list[dict]:
+        request = self._requests.pop(i)
         spec = ModelSpec.from_json(request["spec"])
         reply = rank_run_example(spec, frozenset(request["faults"]), request["init"], RankContext(0, 1, None))
         return [self.corrupt(spec, reply) if self.corrupt else reply]

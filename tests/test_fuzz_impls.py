@@ -2,7 +2,8 @@
 
 fast: impl=ours-only faults and unknown impls are refused before any rank starts.
 slow: torch FSDP2 at W = 2 passes (models it refuses at wrap, 0-d parameters, are not counted);
-an FSDP1 adapter whose comm hook sums without averaging fails, shrunk, with its first divergence.
+an FSDP1 adapter whose comm hook sums without averaging fails, shrunk, with its first divergence;
+an adapter that owns its step (its forward_backward averages the gradients) is driven through it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,32 @@ class SumWithoutAverage(Adapter):
 '''
 
 
+# An engine-like adapter: the plain module, gradients averaged inside its own forward_backward.
+# Driven by a plain forward/backward instead, its gradients would be the local ones: a failure.
+OWNS_ITS_STEP = '''
+import torch.distributed as dist
+
+from harness.adapters import Adapter
+
+
+class AveragesInItsStep(Adapter):
+    name = "averages_in_its_step"
+
+    def wrap(self, model, wrap_paths, ctx):
+        self.group, self.world_size = ctx.group, ctx.world_size
+        return model
+
+    def forward_backward(self, model, loss_fn, inputs, targets, num_micro):
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.group)
+                p.grad /= self.world_size
+        return loss.detach()
+'''
+
+
 @pytest.mark.parametrize("args, message", [
     (["--impls", "fsdp2", "--faults", "no_grad_average"], "apply to --impls ours only"),
     (["--impls", "nope"], "unknown impl 'nope'"),
@@ -77,3 +104,11 @@ def test_fuzz_catches_a_comm_hook_bug_in_a_users_fsdp1_adapter(tmp_path):
     assert "[fuzz] FAIL: minimal failing model" in proc.stdout
     assert "first divergence: fuzz optimizer=" in proc.stdout and " grad: " in proc.stdout, proc.stdout[-3000:]
     assert f"--impls {tmp_path / 'buggy.py'}:SumWithoutAverage" in proc.stdout  # the replay names the impl
+
+
+@pytest.mark.slow
+def test_fuzz_drives_an_adapter_that_owns_its_step_through_its_forward_backward(tmp_path):
+    (tmp_path / "engine.py").write_text(OWNS_ITS_STEP)
+    proc = _fuzz(tmp_path, f"{tmp_path / 'engine.py'}:AveragesInItsStep")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "[fuzz] PASS: 6 examples, none failing" in proc.stdout, proc.stdout[-3000:]

@@ -14,6 +14,7 @@ from harness.adapters.fsdp1 import FSDP1_VARIANTS
 from harness.adapters.fsdp2 import FSDP2
 from harness.adapters.ours import Ours
 from harness.adapters.single import Single
+from harness.errors import UserError
 
 BUILTIN_IMPLS: dict[str, Callable[[], Adapter]] = {
     "ours": Ours, "fsdp2": FSDP2, **FSDP1_VARIANTS, **DEEPSPEED_VARIANTS, "ddp": DDP, "single": Single,
@@ -58,4 +59,17 @@ def resolve_impl(spec: str) -> Adapter:
     if adapter.name in BUILTIN_IMPLS:
         raise ValueError(f"impl {spec!r}: {attr}.name={adapter.name!r} is a built-in implementation's name; "
                          f"give your adapter its own name")
+    return adapter
+
+
+def resolve_sharded_impl(spec: str, verb: str, needs: str) -> Adapter:
+    """`resolve_impl` for a verb that drives a pool of ranks (fuzz, mutants): UserError, one line,
+    for a name that does not resolve and for an adapter without a process group (`needs`: what
+    the verb could not do with it)."""
+    try:
+        adapter = resolve_impl(spec)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not adapter.needs_process_group:
+        raise UserError(f"{verb} --impls {spec} runs without a process group: {needs}")
     return adapter

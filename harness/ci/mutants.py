@@ -291,7 +291,7 @@ def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
     arch_cases: the real architectures every fault also runs on (() for none); impls: each
     implementation's mutants in turn (built-in names or a user's 'file.py:Class')."""
     from harness.adapters.ours import planted_faults
-    from harness.adapters.registry import resolve_impl
+    from harness.adapters.registry import resolve_sharded_impl
 
     planted = planted_faults()
     gate_world_sizes = world_sizes or GATE_WORLD_SIZES
@@ -302,12 +302,7 @@ def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
         raise UserError(f"mutants --impls {','.join(impls)}: name each implementation once")
     names: dict[str, str] = {}  # adapter name (its output subdirectory) -> the --impls entry
     for impl in impls:
-        try:
-            adapter = resolve_impl(impl)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        if not adapter.needs_process_group:
-            raise UserError(f"mutants --impls {impl} runs without a process group: no fault can act on it")
+        adapter = resolve_sharded_impl(impl, "mutants", "no fault can act on it")
         if adapter.name in names:
             raise UserError(f"mutants --impls {names[adapter.name]} and {impl} share the name {adapter.name!r}; "
                             f"give one of them another `name`")

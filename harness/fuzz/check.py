@@ -69,18 +69,59 @@ def _full(stacked: dict[str, torch.Tensor], name_layouts: dict, sizes: dict[str,
     return out
 
 
-def assemble_full_snapshot(spec: ModelSpec, impl: str, replies: list[dict], init: dict[str, torch.Tensor]) -> dict:
+class _Reference:
+    """The shadow of one example, built while the ranks train it.
+
+    The shadow steps from the ranks' own previous parameters, so only its first step can run
+    before the replies: it is computed from the reference initial state (`start`) and kept when
+    the ranks' initial parameters are that state bit for bit; otherwise it is recomputed from
+    theirs, as every later step is. The verdict is the same either way."""
+
+    def __init__(self, spec: ModelSpec, init: dict[str, torch.Tensor]) -> None:
+        self.spec = spec
+        self.init = init
+        self.case = as_case(spec)
+        self.shadow = self._new_shadow()
+        self.sizes = {n: p.shape for n, p in self.shadow.params.items()}  # the plain model's parameters
+        self._first: dict | None = None
+
+    def _new_shadow(self) -> Shadow:
+        return Shadow(self.case, self.spec.optimizer, self.init, num_micro=self.spec.accumulation)
+
+    def start(self) -> None:
+        self._first = self._step(0, self.init)
+
+    def step(self, t: int, params_before: dict[str, torch.Tensor]) -> dict:
+        """The shadow of step t + 1 from the ranks' parameters after step t (their init at t = 0)."""
+        first, self._first = self._first, None
+        if t == 0 and first is not None:
+            if all(n in params_before and _same_bits(params_before[n], self.init[n]) for n in self.sizes):
+                return first
+            self.shadow = self._new_shadow()  # the first step moved its optimizer state
+        return self._step(t, params_before)
+
+    def _step(self, t: int, params_before: dict[str, torch.Tensor]) -> dict:
+        batch = self.case.make_batch(self.case.seed, t + 1, self.case.global_batch)
+        return self.shadow.step(params_before, batch, self.spec.data_mode, self.spec.world_size)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (torch.equal calls -0.0 and 0.0 equal and NaN unequal to itself)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def assemble_full_snapshot(spec: ModelSpec, impl: str, replies: list[dict], init: dict[str, torch.Tensor],
+                           reference: _Reference | None = None) -> dict:
     """The snapshot of an adapter's run from rank 0's full tensors (no raw shards, no layouts)."""
-    case = as_case(spec)
+    reference = reference or _Reference(spec, init)
     adapter = resolve_impl(impl)
-    shadow = Shadow(case, spec.optimizer, init, num_micro=spec.accumulation)
     steps, params_before, rank0 = [], replies[0]["init"], replies[0]
     for t in range(spec.steps):
-        batch = case.make_batch(case.seed, t + 1, case.global_batch)
         steps.append({"step": t + 1, "loss": torch.stack([r["loss"][t] for r in replies]),
                       "grads": rank0["grads"][t], "params": rank0["data"][t], "shards": {}, "shard_grads": {},
                       "padding_intervals": {}, "replicas": None,
-                      "shadow": shadow.step(params_before, batch, spec.data_mode, spec.world_size)})
+                      "shadow": reference.step(t, params_before)})
         params_before = rank0["data"][t]
     cell = Cell("fuzz", impl, spec.world_size, spec.data_mode, spec.steps, impl_name=adapter.name)
     return {"format": FORMAT, "cell": cell.to_json(), "optimizer": spec.optimizer.kind,
@@ -90,47 +131,49 @@ def assemble_full_snapshot(spec: ModelSpec, impl: str, replies: list[dict], init
 
 
 def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[dict],
-                      init: dict[str, torch.Tensor]) -> dict:
-    case = as_case(spec)
+                      init: dict[str, torch.Tensor], reference: _Reference | None = None) -> dict:
+    reference = reference or _Reference(spec, init)
     rank_layouts = [json.loads(r["layouts"]) for r in replies]
     name_layouts = rank_layouts[0]["names"]
-    sizes = {n: p.shape for n, p in case.build_model().named_parameters()}
 
     def stack(per_rank: list[dict]) -> dict[str, torch.Tensor]:
         return {key: torch.stack([r[key] for r in per_rank]) for key in per_rank[0]}
 
     def full(stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return _full(stacked, name_layouts, sizes)
+        return _full(stacked, name_layouts, reference.sizes)
 
     # Each rank's own padding intervals: a rank with a wrong layout shows up in the padding check.
     padding_intervals = {key: [lay["padding_intervals"][key] for lay in rank_layouts]
                          for key in rank_layouts[0]["padding_intervals"]}
 
-    shadow = Shadow(case, spec.optimizer, init, num_micro=spec.accumulation)
-    steps, params_before = [], full(stack([r["init"] for r in replies]))
+    init_params = full(stack([r["init"] for r in replies]))
+    steps, params_before = [], init_params
     for t in range(spec.steps):
         shards = stack([r["data"][t] for r in replies])
         shard_grads = stack([r["grads"][t] for r in replies]) if replies[0]["grads"][t] else {}
         params = full(shards)
-        batch = case.make_batch(case.seed, t + 1, case.global_batch)
         steps.append({"step": t + 1, "loss": torch.stack([r["loss"][t] for r in replies]),
                       "grads": full(shard_grads), "params": params, "shards": shards,
                       "shard_grads": shard_grads, "padding_intervals": padding_intervals,
                       # Full tensors are assembled from one set of shards here: no replicas to compare.
                       "replicas": None,
-                      "shadow": shadow.step(params_before, batch, spec.data_mode, spec.world_size)})
+                      "shadow": reference.step(t, params_before)})
         params_before = params
     cell = Cell("fuzz", "ours", spec.world_size, spec.data_mode, spec.steps, faults=tuple(sorted(faults)))
     return {"format": FORMAT, "cell": cell.to_json(), "optimizer": spec.optimizer.kind,
             "world_size": spec.world_size, "layouts": name_layouts,
             "padding": {"params": Ours.param_padding.value, "grads": Ours.grad_padding.value},
-            "init": {"params": full(stack([r["init"] for r in replies]))}, "steps": steps}
+            "init": {"params": init_params}, "steps": steps}
 
 
 def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = (), impl: str = "ours") -> ExampleResult:
     init = init_state(spec)
     try:
-        replies = pool.run({"spec": spec.to_json(), "faults": list(faults), "init": init, "impl": impl})
+        request = pool.submit({"spec": spec.to_json(), "faults": list(faults), "init": init, "impl": impl})
+        # The ranks train; meanwhile this process builds the reference and its first step.
+        reference = _Reference(spec, init)
+        reference.start()
+        replies = pool.collect(request)
     except ExampleError as e:
         return ExampleResult(spec, faults, error=str(e))
     refusals = {r["refused"] for r in replies if "refused" in r}
@@ -139,12 +182,12 @@ def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = (), i
             return ExampleResult(spec, faults, error=f"ranks disagree on refusing the model: {sorted(refusals)}")
         return ExampleResult(spec, faults, refused=refusals.pop())
     if replies[0].get("full"):
-        snap = assemble_full_snapshot(spec, impl, replies, init)
+        snap = assemble_full_snapshot(spec, impl, replies, init, reference)
     else:
-        snap = assemble_snapshot(spec, faults, replies, init)
+        snap = assemble_snapshot(spec, faults, replies, init, reference)
     names = snap["init"]["params"]
-    result = check_snapshot(snap, {n: init[n] for n in names}, None, case=as_case(spec))
-    missing = sorted(set(dict(as_case(spec).build_model().named_parameters())) - set(names))
+    result = check_snapshot(snap, {n: init[n] for n in names}, None, case=reference.case)
+    missing = sorted(set(reference.sizes) - set(names))
     out = ExampleResult(spec, faults, result.violations, result.margins,
                         rank_s=max(float(r.get("rank_s", 0.0)) for r in replies), checks=result.checks,
                         aligned_numels={lay["flat_key"]: lay["aligned_numel"] for lay in snap["layouts"].values()})

@@ -9,12 +9,14 @@ numel lands below W, at W*k - 1, W*k, W*k + 1 or on a prime.
 
 from __future__ import annotations
 
+import functools
 import shlex
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
@@ -44,13 +46,13 @@ def _own_numel(in_features: int, width: int, bias: bool, tied: bool, gain: bool)
 @st.composite
 def target_numels(draw, world_size: int, base: int) -> int:
     """An aux numel that puts `base + aux` (the unit's flat numel) on a padding edge, or 0."""
-    family = draw(st.sampled_from(NUMEL_FAMILIES))
+    family = draw(_FAMILIES)
     if family == "none":
         return 0
     if family == "below_w":
         return draw(st.integers(1, max(1, world_size - 1)))  # alone in a small unit, or size 1
     if family == "prime":
-        target = draw(st.sampled_from(PRIMES))
+        target = draw(_PRIMES)
     else:
         k = draw(st.integers(1, 4))
         target = world_size * k + {"w_k_minus_1": -1, "w_k": 0, "w_k_plus_1": 1}[family]
@@ -61,11 +63,25 @@ def target_numels(draw, world_size: int, base: int) -> int:
 def block_specs(draw, world_size: int, in_features: int, depth: int = 1) -> BlockSpec:
     width = draw(st.integers(1, 5))
     bias, tied, gain, frozen = (draw(st.booleans()) for _ in range(4))
-    aux = draw(target_numels(world_size, _own_numel(in_features, width, bias, tied, gain)))
+    aux = draw(_target_numels(world_size, _own_numel(in_features, width, bias, tied, gain)))
     wrap = draw(st.booleans())
-    inner = draw(st.none() | block_specs(world_size, width, depth + 1)) if depth < MAX_NESTING else None
+    inner = draw(_inner_block_specs(world_size, width, depth + 1)) if depth < MAX_NESTING else None
     return BlockSpec(width=width, bias=bias, tied=tied, aux_numel=aux, gain=gain, frozen=frozen,
                      wrap=not wrap, inner=inner)  # wrap=True shrinks to False: prefer wrapped units
+
+
+# One strategy object per argument tuple, built once: hypothesis validates and labels every new
+# strategy object it draws from, which costs more than the draw itself when a composite builds
+# its strategies afresh at every draw. The same strategies, so the same examples per seed.
+_FAMILIES = st.sampled_from(NUMEL_FAMILIES)
+_PRIMES = st.sampled_from(PRIMES)
+_target_numels = functools.cache(target_numels)
+_block_specs = functools.cache(block_specs)
+
+
+@functools.cache
+def _inner_block_specs(world_size: int, in_features: int, depth: int) -> st.SearchStrategy[BlockSpec | None]:
+    return st.none() | _block_specs(world_size, in_features, depth)
 
 
 def model_specs(world_size: int, accumulations: tuple[int, ...] = (1, 2)) -> st.SearchStrategy[ModelSpec]:
@@ -82,7 +98,7 @@ def _model_specs(draw, world_size: int, accumulations: tuple[int, ...]) -> Model
     in_features = draw(st.integers(1, 5))
     blocks, width = [], in_features
     for _ in range(draw(st.integers(1, 3))):
-        block = draw(block_specs(world_size, width))
+        block = draw(_block_specs(world_size, width, 1))
         blocks.append(block)
         while block.inner is not None:
             block = block.inner
@@ -146,6 +162,20 @@ def replay_command(spec: ModelSpec, faults: tuple[str, ...], impl: str = "ours")
     return cmd + (f" --faults {','.join(faults)}" if faults else "")
 
 
+def _warm_up_hypothesis(world_size: int, impl: str) -> None:
+    """Hypothesis's one-off costs in this process, paid before the rate is measured: a full garbage
+    collection when it first seeds the random generators it manages, and its scan of the loaded
+    modules for constants to draw."""
+
+    @settings(max_examples=2, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+              phases=(Phase.generate,))
+    @given(model_specs(world_size, _accumulations(impl)))
+    def draw_only(spec: ModelSpec) -> None:
+        pass
+
+    draw_only()
+
+
 def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: tuple[str, ...] = (),
          on_example=None, impl: str = "ours") -> FuzzStats:
     """Run hypothesis against the pool; stats.failures[-1] is the shrunk example when it failed."""
@@ -199,14 +229,9 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
     if not 1 <= world_size <= MAX_CPU_WORLD_SIZE:
         raise UserError(f"--world-size={world_size} must be between 1 and {MAX_CPU_WORLD_SIZE} (every rank of the "
                         f"pool is a process importing torch on this host)")
-    from harness.adapters.registry import resolve_impl
+    from harness.adapters.registry import resolve_sharded_impl
 
-    try:
-        adapter = resolve_impl(impl)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if not adapter.needs_process_group:
-        raise UserError(f"--impls {impl} runs without a process group; the fuzzer needs a sharded implementation")
+    resolve_sharded_impl(impl, "fuzz", "the fuzzer needs a sharded implementation")
     if faults:
         from harness.run.dist_faults import check_faults
 
@@ -219,8 +244,15 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
     if spec is not None and spec.world_size != world_size:
         raise UserError(f"--replay spec world_size={spec.world_size} != --world-size={world_size}")
     config = PoolConfig(world_size, out_dir / "logs", threads=threads, example_timeout_s=example_timeout_s)
-    with OutputDir(out_dir, uuid.uuid4().hex, ("logs",)):  # owned and locked: pool logs of one run only
-        return _main(config, spec, max_examples, seed, faults, progress, impl)
+    # This process builds the reference and judges tensors of a few dozen elements while the ranks
+    # train beside it: one intra-op thread is several times faster per op than a pool of them.
+    parent_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with OutputDir(out_dir, uuid.uuid4().hex, ("logs",)):  # owned and locked: pool logs of one run only
+            return _main(config, spec, max_examples, seed, faults, progress, impl)
+    finally:
+        torch.set_num_threads(parent_threads)
 
 
 def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: int, faults: tuple[str, ...],
@@ -230,6 +262,8 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
         # The first example pays for lazy imports and kernel set-up in every rank: start-up, not rate.
         warm = time.perf_counter()
         run_example(pool, warm_up_spec(world_size), (), impl)
+        if spec is None:
+            _warm_up_hypothesis(world_size, impl)
         start_s = pool.start_s + time.perf_counter() - warm
         print(f"[fuzz] pool of {world_size} ranks started in {start_s:.1f}s", flush=True)
         if spec is not None:

@@ -12,6 +12,7 @@ that raises `PoolLost` instead, which ends the fuzzing with one line.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,7 +27,6 @@ from harness.run.outcome import EXTERNAL_SIGNALS, root_cause_signal
 from harness.run.snapshot import decode, encode
 
 POLL_S = 0.25  # checks for a dead or hung pool
-REPLY_POLL_S = 0.001
 LOST_GRACE_S = 5.0  # for torchrun to report a rank killed from outside (see RankPool._fail)
 
 
@@ -56,7 +56,9 @@ class RankPool:
         self.start_s = 0.0  # seconds spent starting pools, all restarts included
         self._launch: Launch | None = None
         self._store: dist.TCPStore | None = None
+        self._waiter_store: dist.TCPStore | None = None  # a second client, blocked in wait() (see submit)
         self._next = 0
+        self._pending: dict[int, tuple[threading.Event, float]] = {}  # request -> (all replied, deadline)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -66,6 +68,8 @@ class RankPool:
         log_dir.mkdir(parents=True, exist_ok=True)
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=cfg.example_timeout_s))
+        self._waiter_store = dist.TCPStore("127.0.0.1", self._store.port, is_master=False,
+                                           timeout=timedelta(seconds=cfg.example_timeout_s))
         config_file = log_dir / "pool.json"
         config_file.write_text(json.dumps({
             "host": "127.0.0.1", "port": self._store.port, "threads": cfg.threads,
@@ -96,7 +100,15 @@ class RankPool:
         if self._launch is None:
             return
         self._launch.kill()
-        self._launch, self._store = None, None
+        # Release a waiter still blocked on this store: the replies it waits for will never come
+        # (dropping the store under it would make torch print a C++ stack).
+        for i, (done, _) in self._pending.items():
+            for k in self._reply_keys(i):
+                if not self._store.check([k]):
+                    self._store.set(k, b"")
+            done.wait(POLL_S)
+        self._launch, self._store, self._waiter_store = None, None, None
+        self._pending.clear()
 
     def __enter__(self) -> RankPool:
         self.start()
@@ -138,34 +150,55 @@ class RankPool:
                            f"(rank logs: {log_dir})")
         raise ExampleError(text)
 
-    def run(self, request: dict) -> list[dict]:
-        """Every rank's reply to one request, in rank order; ExampleError if any rank failed."""
+    def submit(self, request: dict) -> int:
+        """Hand every rank `request` and return at once (the caller works while the ranks train);
+        `collect` returns the replies."""
         if self._launch is None:
             self.start()
         i = self._next
         self._next += 1
         self._store.set(f"req/{i}", encode(request))
-        keys = [f"rep/{i}/{r}" for r in range(self.config.world_size)]
+        # One thread sleeps in the store until every rank has replied, so the orchestrator neither
+        # polls the store (a round trip each time, CPU the ranks need) nor misses a dead pool.
+        done = threading.Event()
+        keys, store = self._reply_keys(i), self._waiter_store
+
+        def wait() -> None:
+            try:
+                store.wait(keys)
+            except Exception:  # timed out, or the pool (and its store) torn down: collect decides
+                pass
+            done.set()
+
+        threading.Thread(target=wait, name=f"fuzz-pool-reply-{i}", daemon=True).start()
+        self._pending[i] = (done, time.monotonic() + self.config.example_timeout_s)
+        return i
+
+    def _reply_keys(self, i: int) -> list[str]:
+        return [f"rep/{i}/{r}" for r in range(self.config.world_size)]
+
+    def collect(self, i: int) -> list[dict]:
+        """Every rank's reply to request `i`, in rank order; ExampleError if any rank failed."""
+        done, deadline = self._pending[i]
+        keys = self._reply_keys(i)
         # A rank that raised answers at once; the others may never answer (stuck in a collective).
-        deadline = time.monotonic() + self.config.example_timeout_s
-        polls = 0
-        while not self._store.check(keys):
-            # A blocking store.wait would not notice a dead pool; a short sleep costs < 1 ms here.
-            time.sleep(REPLY_POLL_S)
-            polls += 1
-            if polls % int(POLL_S / REPLY_POLL_S):
-                continue
+        while not (done.wait(POLL_S) and self._store.check(keys)):
             answered = [decode(self._store.get(k)) for k in keys if self._store.check([k])]
             errors = [r["error"] for r in answered if "error" in r]
             if errors:
                 self._fail("\n".join(errors), grace_s=LOST_GRACE_S)
-            if self._launch.poll() is not None or time.monotonic() > deadline:
+            if self._launch.poll() is not None or time.monotonic() > deadline or done.is_set():
                 self._wait(keys, 0.0, f"request {i}")  # raises with the ranks' logs
         replies = [decode(self._store.get(k)) for k in keys]
         errors = [r["error"] for r in replies if "error" in r]
         if errors:
             self._fail("\n".join(errors), grace_s=LOST_GRACE_S)
+        del self._pending[i]
         for k in keys:
             self._store.delete_key(k)
         self._store.delete_key(f"req/{i}")
         return replies
+
+    def run(self, request: dict) -> list[dict]:
+        """Every rank's reply to one request, in rank order; ExampleError if any rank failed."""
+        return self.collect(self.submit(request))

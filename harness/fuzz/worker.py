@@ -99,10 +99,13 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
         inputs, targets = local_batch(batch, spec.data_mode, ctx.rank, ctx.world_size)
         adapter.zero_grad(wrapped, optim)
         m = spec.accumulation
-        if spec.sync_every_micro or m == 1:
+        if m > 1 and spec.sync_every_micro:
+            # Every micro-batch synced: the adapter's forward_backward skips all but the last one's
+            # sync, so the wrapped model runs as it is (an adapter that owns its step maps a single
+            # micro-batch only, fuzz/main.py `_accumulations`, and never comes here).
             with dist_faults.armed(adapter):
                 loss = forward_backward(wrapped, case.loss_fn, inputs, targets, m)
-        else:  # gradient sync on the last micro-batch only
+        else:  # the adapter's own step (an engine's backward; sync on the last micro-batch only)
             loss = adapter.forward_backward(wrapped, case.loss_fn, inputs, targets, m)
         step_grads.append(adapter.full_grads(wrapped))
         adapter.optimizer_step(wrapped, optim, case.features)
