@@ -18,7 +18,10 @@ pytestmark = pytest.mark.slow
 
 
 def launch(world_size: int, out_dir: Path) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # The checkout under test first: an editable install may point at another checkout (or none).
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world_size}", str(SCRIPT), str(out_dir)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
