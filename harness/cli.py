@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--memory-world-sizes", default="1,2,4,8", help="world sizes of the memory table (default 1,2,4,8)")
     bench.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
     bench.add_argument("--no-throughput", action="store_true", help="skip the harness-throughput measurement")
+    bench.add_argument("--only", default=None,
+                       help="comma-separated parts to measure: speed, memory, medium, throughput (default: all)")
     bench.add_argument("--smoke", action="store_true", help="a tiny model, one step: checks that bench runs")
     _add_search_verbs(verbs)
     return parser
@@ -331,9 +333,13 @@ def cmd_bench(args) -> int:
     from harness.run.plan import parse_world_sizes
 
     try:
+        from harness.bench.main import PARTS
+        parts = PARTS if args.only is None else tuple(p.strip() for p in args.only.split(",") if p.strip())
+        if args.no_throughput:
+            parts = tuple(p for p in parts if p != "throughput")
         cfg = BenchConfig(_out_dir(args.out), parse_world_sizes(args.speed_world_sizes),
                           parse_world_sizes(args.memory_world_sizes), args.iters, args.threads,
-                          throughput=not args.no_throughput, smoke=args.smoke)
+                          parts=parts, smoke=args.smoke)
     except (ValueError, PlanError) as e:
         print(f"harness bench: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -53,3 +53,26 @@ def test_bench_rejects_bad_world_sizes(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "world_size=0" in proc.stderr
+
+
+def test_bench_only_refuses_an_unknown_part_before_any_launch(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "harness", "bench", "--only", "speed,memroy", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["harness bench: error: bench parts ['memroy']: choose from speed, "
+                                                "memory, medium, throughput"]
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_a_partial_bench_names_its_parts_in_the_command_it_prints():
+    from harness.bench.main import render_markdown
+
+    result = {"environment": {"cpu_count": 2, "machine": "x86_64", "torch": "2.13.0", "backend": "gloo",
+                              "threads_per_rank": 1, "smoke": False, "parts": ["throughput"],
+                              "load_average_at_start": 1.5},
+              "speed": [], "memory": [], "medium": [],
+              "throughput": {"bare_launch_floor_s": 40.0, "batched_s": 60.0, "per_cell_s": 200.0,
+                             "batched_ratio_vs_floor": 1.5, "per_cell_ratio_vs_batched": 200 / 60, "matrix": "m"}}
+    text = render_markdown(result)
+    assert "`python -m harness bench --only throughput`" in text and "load average 1.5" in text
+    assert "Step time" not in text and "| batched: one torchrun for every world size |" in text

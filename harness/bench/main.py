@@ -30,6 +30,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # (shared/seeds/000) and, with meta-device init, the peak per device (shared/seeds/004).
 SEED_PARAM_MB = {1: 2020, 8: 253}
 SEED_PEAK_MB = {1: 737.84, 8: 187.65}
+# What one bench run measures, in this order (`--only` picks a subset; each part is its own launches).
+PARTS = ("speed", "memory", "medium", "throughput")
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,15 @@ class BenchConfig:
     memory_world_sizes: tuple[int, ...] = (1, 2, 4, 8)
     iters: int = 10
     threads: int = 1
-    throughput: bool = True
+    parts: tuple[str, ...] = PARTS
     timeout_s: float = 1200.0
     smoke: bool = False  # a tiny model and one iteration: checks that bench runs, measures nothing
     medium_world_sizes: tuple[int, ...] = (1, 2, 4, 8)  # GPT-2 medium, ours only (not in a smoke run)
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.parts) - set(PARTS))
+        if unknown or not self.parts:
+            raise ValueError(f"bench parts {unknown or '(none)'}: choose from {', '.join(PARTS)}")
         if self.iters < 1:
             raise ValueError(f"iters={self.iters} must be >= 1")
         bad = [w for w in (*self.speed_world_sizes, *self.memory_world_sizes, *self.medium_world_sizes) if w < 1]
@@ -86,20 +91,20 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
 def _measure(cfg: BenchConfig, work: Path, progress) -> dict:
     result: dict = {"environment": environment(cfg), "speed": [], "memory": [], "medium": []}
     smoke = ["--iters", "1", "--warmup", "0", "--smoke"] if cfg.smoke else ["--iters", str(cfg.iters)]
-    for w in cfg.speed_world_sizes:
+    for w in cfg.speed_world_sizes if "speed" in cfg.parts else ():
         progress(f"bench: step time and communication, ours vs fsdp2, W={w}")
         out = work / f"speed_w{w}.json"
         torchrun(w, ["harness.bench.worker", "speed", "--out", str(out), "--threads", str(cfg.threads), *smoke],
                  cfg.threads, cfg.timeout_s, work / f"speed_w{w}")
         result["speed"].extend(json.loads(out.read_text())["ranks"][0]["sizes"])
     config = "smoke" if cfg.smoke else "gpt2-small"
-    for w in cfg.memory_world_sizes:
+    for w in cfg.memory_world_sizes if "memory" in cfg.parts else ():
         progress(f"bench: live-tensor memory of the {config}-shaped model, plain / ours / fsdp2, W={w}")
         result["memory"].append(memory_row(cfg, work, config, w, ("ours", "fsdp2"), rss_returning_impls=("ours",)))
-    for w in () if cfg.smoke else cfg.medium_world_sizes:
+    for w in () if cfg.smoke or "medium" not in cfg.parts else cfg.medium_world_sizes:
         progress(f"bench: live-tensor memory of the gpt2-medium-shaped model, plain / ours, W={w}")
         result["medium"].append(memory_row(cfg, work, "gpt2-medium", w, ("ours",)))
-    if cfg.throughput and not cfg.smoke:
+    if "throughput" in cfg.parts and not cfg.smoke:
         progress("bench: harness throughput (batched matrix vs bare launches vs one launch per cell)")
         result["throughput"] = harness_throughput(cfg, work)
     return result
@@ -162,7 +167,7 @@ def memory_row(cfg: BenchConfig, work: Path, config: str, world_size: int, impls
 
 
 def harness_throughput(cfg: BenchConfig, work: Path) -> dict:
-    """Wall time of the standard matrix, batched (one torchrun per world size) and one torchrun
+    """Wall time of the standard matrix, batched (one torchrun for every world size) and one torchrun
     per cell, against the floor: one bare torchrun launch per world size."""
     world_sizes = (1, 2, 4, 8)
     floor = sum(torchrun(w, ["harness.bench.worker", "bare", "--out", str(work / f"bare{w}.json")],
@@ -219,6 +224,9 @@ def environment(cfg: BenchConfig) -> dict:
         "cpu_count": os.cpu_count(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "threads_per_rank": cfg.threads,
+        "parts": list(cfg.parts),
+        # A shared machine's other load skews wall times (ratios taken side by side much less): say it.
+        "load_average_at_start": round(os.getloadavg()[0], 2),
         "smoke": cfg.smoke,
     }
 
@@ -275,17 +283,21 @@ def _categories_markdown(rows: list[dict], impls: tuple[str, ...]) -> list[str]:
 
 def render_markdown(result: dict) -> str:
     env = result["environment"]
+    parts = env.get("parts", list(PARTS))
+    command = "python -m harness bench" + ("" if list(parts) == list(PARTS) else f" --only {','.join(parts)}")
+    load = env.get("load_average_at_start")
     lines = [
         "# Benchmarks",
         "",
-        f"Measured by `python -m harness bench` on {env['cpu_count']} CPU cores ({env['machine']}), "
+        f"Measured by `{command}` on {env['cpu_count']} CPU cores ({env['machine']}), "
         f"torch {env['torch']}, {env['backend']}, {env['threads_per_rank']} intra-op thread per rank"
+        + ("" if load is None else f", load average {load} at the start")
         + (" (smoke run: tiny model, figures meaningless)" if env["smoke"] else "") + ".",
         "",
-        "## Step time and communication (ours vs torch FSDP2, interleaved, median)",
-        "",
-        *_speed_markdown(result["speed"]),
     ]
+    if result["speed"]:
+        lines += ["## Step time and communication (ours vs torch FSDP2, interleaved, median)", "",
+                  *_speed_markdown(result["speed"])]
     memory = result["memory"]
     if memory:
         lines += ["", f"## Live-tensor memory per rank ({memory[0]['model']}, {memory[0]['num_params'] / 1e6:.1f}M "
@@ -341,7 +353,7 @@ def render_markdown(result: dict) -> str:
     if t:
         lines += ["", "## Harness throughput", "",
                   tabulate([["bare torchrun per world size (floor)", f"{t['bare_launch_floor_s']:.1f}", "1.00"],
-                            ["batched: one torchrun per world size", f"{t['batched_s']:.1f}", f"{t['batched_ratio_vs_floor']:.2f}"],
+                            ["batched: one torchrun for every world size", f"{t['batched_s']:.1f}", f"{t['batched_ratio_vs_floor']:.2f}"],
                             ["one torchrun per cell", f"{t['per_cell_s']:.1f}", f"{t['per_cell_s'] / t['bare_launch_floor_s']:.2f}"]],
                            headers=["matrix: " + t["matrix"], "wall s", "x floor"], tablefmt="github"),
                   "", f"One launch per cell is {t['per_cell_ratio_vs_batched']:.2f}x the batched wall time."]
