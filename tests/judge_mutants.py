@@ -49,8 +49,8 @@ class Mutant:
 
 def _disable(check: str) -> tuple[tuple[str, str], ...]:
     """A check that still counts its elements but never records a violation."""
-    anchor = "stats[check].add(actual.numel(), ratio, tol if value is not None else None, value)\n        if v:"
-    return ((anchor, anchor.replace("if v:", f"if v and check != {check!r}:")),)
+    anchor = "out.append(None if o.failing is None else"
+    return ((anchor, anchor.replace("else", f"or check == {check!r} else")),)
 
 
 MUTANTS = (
@@ -77,7 +77,7 @@ MUTANTS = (
     Mutant("nonfinite_disabled", "non-finite values never reported", "harness/judge/diff.py",
            (("    bad = ~torch.isfinite(tensor)\n    if not bool(bad.any()):\n        return None",
              "    bad = ~torch.isfinite(tensor)\n    if True:\n        return None"),
-            ("if not torch.isfinite(torch.tensor(value)):", "if False:"))),
+            ("            if not finite:\n", "            if False:\n"))),
     Mutant("init_disabled", "initial parameters never compared", "harness/judge/diff.py", _disable("init")),
     Mutant("loss_disabled", "per-rank losses never compared", "harness/judge/diff.py",
            (("            if not d == 0:\n", "            if False:\n"),)),
@@ -92,9 +92,9 @@ MUTANTS = (
     Mutant("padding_disabled", "padding never checked", "harness/judge/diff.py",
            (("if pad.numel() and (pad != 0).any():", "if False:"),)),
     Mutant("trajectory_disabled", "trajectory check never fails", "harness/judge/diff.py",
-           (("                if v:\n                    viol.append(Violation(kind, step, \"trajectory\"",
-             "                if False:\n                    viol.append(Violation(kind, step, \"trajectory\""),), (_DRIFT,)),
-    Mutant("nan_comparison_flipped", "`not (diff <= tol)` written `diff > tol` (NaN passes)", "harness/judge/diff.py",
+           (("        if o.failing is not None:\n            out.append(Violation(kind, step, \"trajectory\"",
+             "        if False:\n            out.append(Violation(kind, step, \"trajectory\""),), (_DRIFT,)),
+    Mutant("nan_comparison_flipped", "`not (diff <= tol)` written `diff > tol` (NaN passes)", "harness/judge/segments.py",
            (("bad = ~(diff <= tol)", "bad = diff > tol"), ("failed = ~(diff <= tol)", "failed = diff > tol"))),
 )
 

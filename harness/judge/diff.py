@@ -21,12 +21,14 @@ a verdict on the implementation. docs/error_model.md derives every bound.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from cases.catalog import Case, get_case
 from cases.features import DTYPES
+from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, ratios, sign_counts
 from harness.judge.tolerance import (BIAS_FALSE_ALARM, MAX_MEDIAN_RELATIVE_TOLERANCE, TRAJECTORY_FACTOR,
                                OptimizerErrorState, ReductionModel, clip_coefficient_error, sign_test_threshold,
                                unit_roundoff)
@@ -183,39 +185,9 @@ def flat(tensors: dict[str, torch.Tensor], order: dict | None = None) -> torch.T
 
 
 
-def _ratios(diff: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
-    """|diff| / tol per element; inf where the element fails with tol == 0 or diff is NaN."""
-    tol = tol.double().expand_as(diff)
-    ratio = diff / tol.clamp(min=1e-300)
-    failed = ~(diff <= tol)
-    ratio = torch.where(failed & ((tol == 0) | diff.isnan()), torch.full_like(diff, float("inf")), ratio)
-    return torch.where(diff == 0, torch.zeros_like(diff), ratio)
-
-
-def _tensor_violation(optimizer, step, check, name, actual, expected, tol, layout,
-                      worst: dict | None = None) -> tuple[Violation | None, float]:
-    """(the worst failing element of `actual` vs `expected` within `tol`, or None; the max ratio).
-    `worst`, when given, keeps the |diff| and tol of the element with the largest ratio so far."""
-    if actual.shape != expected.shape:
-        raise ValueError(f"{check} '{name}' step={step}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
-    if actual.numel() == 0:
-        return None, 0.0
-    diff = (actual.double() - expected.double()).abs()
-    ratio = _ratios(diff, tol)
-    tol = tol.double().expand_as(diff)
-    bad = ~(diff <= tol)
-    at = int(ratio.reshape(-1).argmax().item())
-    max_ratio = ratio.reshape(-1)[at].item()
-    if worst is not None and not max_ratio <= worst.get("margin", -1.0):
-        worst.update(margin=max_ratio, diff=diff.reshape(-1)[at].item(), tol=tol.reshape(-1)[at].item(), name=name)
-    if not bool(bad.any()):
-        return None, max_ratio
-    index = int(torch.where(bad, ratio, torch.full_like(ratio, -1.0)).reshape(-1).argmax().item())
-    return Violation(
-        optimizer, step, check, name, ratio.reshape(-1)[index].item(), diff.reshape(-1)[index].item(),
-        tol.reshape(-1)[index].item(), actual.reshape(-1)[index].item(), expected.reshape(-1)[index].item(),
-        index, _coords(actual.shape, index), owner_of(layout, actual.shape, index), False, int(bad.sum().item()),
-    ), max_ratio
+def _failing_violation(optimizer, step, check, name, size: torch.Size, layout, f: Failing) -> Violation:
+    return Violation(optimizer, step, check, name, f.ratio, f.abs_diff, f.tol, f.actual, f.expected, f.index,
+                     _coords(size, f.index), owner_of(layout, size, f.index), False, f.num_violating)
 
 
 BIAS_STATISTICS = {
@@ -224,23 +196,12 @@ BIAS_STATISTICS = {
 }
 
 
-def _bias(optimizer, step, name, actual, expected) -> Violation | None:
-    """The sign test of one gradient against its exact mean: the more tilted of its two counts as
-    a Violation (ratio = |count - n/2| / threshold, > 1: failed), or None when no element differs."""
-    diff = (actual.double() - expected.double()).reshape(-1)
-    expected = expected.double().reshape(-1)
-    # Elements with one exact value are, as a rule, one computation repeated (a broadcast, duplicated
-    # rows): their errors are one coin, so each value counts once. Non-finite values fail elsewhere.
-    keep = (diff != 0) & diff.isfinite()
-    values, order = expected[keep].sort(stable=True)
-    first = torch.ones_like(values, dtype=torch.bool)
-    first[1:] = values[1:] != values[:-1]
-    diff, expected = diff[keep][order][first], values[first]
-    nonzero = expected != 0
-    counts = {"upward": (int((diff > 0).sum()), diff.numel()),
-              "along_gradient": (int(((diff > 0) == (expected > 0))[nonzero].sum()), int(nonzero.sum()))}
+def _bias_violation(optimizer, step, name, counts: SignCounts) -> Violation | None:
+    """The more tilted of a gradient's two sign-test counts as a Violation (ratio = |count - n/2| /
+    threshold, > 1: failed), or None when no element differs."""
     worst = None
-    for statistic, (count, n) in counts.items():
+    for statistic, count, n in (("upward", counts.upward, counts.num_differing),
+                                ("along_gradient", counts.along_gradient, counts.num_nonzero)):
         if n:
             threshold = sign_test_threshold(n)
             tilt = abs(count - n / 2)
@@ -248,6 +209,13 @@ def _bias(optimizer, step, name, actual, expected) -> Violation | None:
                 worst = Violation(optimizer, step, "bias", name, tilt / threshold, tilt, threshold, count / n, 0.5,
                                   num_violating=n, statistic=statistic)
     return worst
+
+
+def _bias(optimizer, step, name, actual, expected) -> Violation | None:
+    """The sign test of one gradient against its exact mean (segments.sign_counts)."""
+    (counts,) = sign_counts(Segments([actual.shape]), (actual.double() - expected.double()).reshape(-1),
+                            expected.double().reshape(-1))
+    return _bias_violation(optimizer, step, name, counts)
 
 
 def _nonfinite(optimizer, step, name, tensor, layout, rank=None) -> Violation | None:
@@ -261,11 +229,22 @@ def _nonfinite(optimizer, step, name, tensor, layout, rank=None) -> Violation | 
                      index, _coords(tensor.shape, index), owner, False, int(bad.sum().item()))
 
 
+def _nonfinite_segments(tensors: list[torch.Tensor]) -> list[int]:
+    """The positions in `tensors` of those holding a non-finite value ([Note: Batched checks])."""
+    if not tensors:
+        return []
+    seg = Segments([t.shape for t in tensors])
+    finite = torch.isfinite(seg.flat(tensors))
+    if bool(finite.all()):
+        return []
+    return [s for s, n in enumerate(seg.counts(~finite)) if n]
+
+
 def _require_finite(what: str, step: int, tensors: dict[str, torch.Tensor]) -> None:
-    for name, t in tensors.items():
-        if not bool(torch.isfinite(t).all()):
-            raise ReferenceDiverged(f"the unsharded reference diverged: {what} '{name}' is not finite at step {step}; "
-                                    f"the case cannot be judged (lower the learning rate or fix the model)")
+    for s in _nonfinite_segments(list(tensors.values()))[:1]:
+        name = list(tensors)[s]
+        raise ReferenceDiverged(f"the unsharded reference diverged: {what} '{name}' is not finite at step {step}; "
+                                f"the case cannot be judged (lower the learning rate or fix the model)")
 
 
 @dataclass
@@ -286,6 +265,20 @@ class CheckStats:
             rel = tol.double().expand_as(value)[mask] / value.double().abs()[mask]
             if rel.numel() > 4096:  # a deterministic sample keeps big models cheap
                 rel = rel[:: rel.numel() // 4096 + 1]
+            self.rel_tol_samples.append(rel)
+
+    def add_samples(self, seg: Segments, tol: torch.Tensor, value: torch.Tensor) -> None:
+        """`add`'s tol / |value| samples of every segment at once (flat float64 tol and value):
+        the same elements, each segment sampled as `add` samples one tensor."""
+        mask = value != 0
+        rel = tol[mask] / value.abs()[mask]
+        counts = seg.counts(mask)
+        if any(c > 4096 for c in counts):
+            ids = seg.ids[mask]
+            starts = torch.tensor([0] + counts, dtype=torch.long).cumsum(0)[:-1]
+            stride = torch.tensor([c // 4096 + 1 if c > 4096 else 1 for c in counts], dtype=torch.long)
+            rel = rel[(torch.arange(rel.numel()) - starts[ids]) % stride[ids] == 0]
+        if rel.numel():
             self.rel_tol_samples.append(rel)
 
     def summary(self) -> dict:
@@ -326,26 +319,86 @@ class StepBounds:
         self.opt_state = OptimizerErrorState(spec, self.u_param)
 
     def step(self, step: int, shadow: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """({name: grad tol}, {name: param tol}) of every parameter with a gradient."""
+        seg, grad_tol, param_tol = self.step_flat(step, shadow)
+        names = list(shadow["grads"])
+        return dict(zip(names, seg.unflat(grad_tol))), dict(zip(names, seg.unflat(param_tol)))
+
+    def step_flat(self, step: int, shadow: dict) -> tuple[Segments, torch.Tensor, torch.Tensor]:
+        """`step`'s tolerances as flat float64 tensors, one segment per gradient in the order of
+        shadow["grads"] ([Note: Batched checks]: every bound is elementwise, so it is computed once
+        per optimizer hyperparameter group on the group's gradients laid end to end)."""
         features, u = self.case.features, self.u_param
-        grad_tols, param_tols, stepped, stepped_tols = {}, {}, {}, {}
-        for name, exact in shadow["grads"].items():
-            # A tied parameter's gradient sums more terms (one per use): its own bound.
-            terms = shadow["num_terms"][name]
-            reduction = self.reduction if terms == self.reduction.num_terms else \
-                ReductionModel(terms, self.reduction.u, self.reduction.casts)
-            grad_tols[name] = reduction.grad_bound(shadow["abs_grads"][name])
-            stepped[name] = exact.float().double()  # what the shadow's optimizer stepped with
-            stepped_tols[name] = grad_tols[name] + (stepped[name] - exact.double()).abs()
+        names = list(shadow["grads"])
+        seg = Segments([shadow["grads"][n].shape for n in names])
+        abs_grads = [shadow["abs_grads"][n] for n in names]
+        terms = [shadow["num_terms"][n] for n in names]
+        if all(t == self.reduction.num_terms for t in terms):
+            grad_tol = self.reduction.grad_bound(seg.flat(abs_grads))
+        else:  # a tied parameter's gradient sums more terms (one per use): its own bound
+            grad_tol = seg.flat([ReductionModel(t, self.reduction.u, self.reduction.casts).grad_bound(a)
+                                 for t, a in zip(terms, abs_grads)])
+        exact = seg.flat([shadow["grads"][n] for n in names])
+        stepped = exact.float().double()  # what the shadow's optimizer stepped with
+        stepped_tol = grad_tol + (stepped - exact).abs()
         if features.clip_norm_type is not None:
-            coef, dcoef = clip_coefficient_error(stepped, stepped_tols, features.clip_max_norm,
+            coef, dcoef = clip_coefficient_error({"": stepped}, {"": stepped_tol}, features.clip_max_norm,
                                                  features.clip_norm_type, u)
-            stepped_tols = {n: (coef + dcoef) * t + dcoef * stepped[n].abs() + u * coef * stepped[n].abs()
-                            for n, t in stepped_tols.items()}
-            stepped = {n: coef * g for n, g in stepped.items()}
-        for name, gtol in stepped_tols.items():
-            param_tols[name] = self.opt_state.param_bound(name, step, gtol, stepped[name], shadow["params"][name],
-                                                          shadow["state"].get(name, {}), shadow["hyper"][name])
-        return grad_tols, param_tols
+            stepped_tol = (coef + dcoef) * stepped_tol + dcoef * stepped.abs() + u * coef * stepped.abs()
+            stepped = coef * stepped
+        return seg, grad_tol, self._param_tol(step, shadow, names, seg, stepped, stepped_tol)
+
+    def _param_tol(self, step, shadow, names, seg, stepped, stepped_tol) -> torch.Tensor:
+        groups: dict[str, list[int]] = {}  # the parameters stepped with equal hyperparameters
+        for s, name in enumerate(names):
+            groups.setdefault(repr(sorted(shadow["hyper"][name].items())), []).append(s)
+        stepped_parts, tol_parts = seg.split(stepped), seg.split(stepped_tol)
+        out: list[torch.Tensor | None] = [None] * len(names)
+        for members in groups.values():
+            member_names = [names[s] for s in members]
+            sub = Segments([seg.sizes[s] for s in members])
+            states = [shadow["state"].get(n, {}) for n in member_names]
+            state = _group_tensors(sub, states)
+            carried = [self.opt_state.bounds.get(n) for n in member_names]
+            carried_flat = _group_tensors(sub, carried) if all(c is not None for c in carried) else None
+            key = "\0".join(member_names)
+            if state is None or (carried_flat is None and any(c is not None for c in carried)):
+                for s, name, st in zip(members, member_names, states):  # inconsistent state: one by one
+                    size = seg.sizes[s]
+                    if name in self.opt_state.bounds:  # carried as 1-D pieces of a group
+                        self.opt_state.bounds[name] = {k: v.view(size) for k, v in self.opt_state.bounds[name].items()}
+                    out[s] = self.opt_state.param_bound(name, step, tol_parts[s].view(size), stepped_parts[s].view(size),
+                                                        shadow["params"][name], st, shadow["hyper"][name])
+                continue
+            if carried_flat is not None:
+                self.opt_state.bounds[key] = carried_flat
+            whole = len(members) == len(names)  # one group (the common case): no regrouping
+            bound = self.opt_state.param_bound(key, step,
+                                               stepped_tol if whole else sub.flat([tol_parts[s] for s in members]),
+                                               stepped if whole else sub.flat([stepped_parts[s] for s in members]),
+                                               sub.flat([shadow["params"][n] for n in member_names]), state,
+                                               shadow["hyper"][member_names[0]])
+            new_carried = self.opt_state.bounds.pop(key, None)
+            if new_carried is not None:
+                pieces = {k: sub.split(v) for k, v in new_carried.items()}
+                for j, name in enumerate(member_names):
+                    self.opt_state.bounds[name] = {k: v[j] for k, v in pieces.items()}
+            for s, piece in zip(members, sub.split(bound.expand(sub.total))):  # 1-D pieces
+                out[s] = piece
+        return seg.flat(out)
+
+
+def _group_tensors(sub: Segments, dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+    """The members' tensors of each key laid end to end (the keys whose tensors have the members'
+    sizes); None when the members do not hold the same such keys."""
+    def keys(d, size):  # the elementwise ones (a 0-d "step" is not); a 1-D piece of a group's counts
+        return {k for k, v in d.items()
+                if isinstance(v, torch.Tensor) and (v.shape == size or (v.dim() == 1 and v.numel() == size.numel()))}
+
+    shared = keys(dicts[0], sub.sizes[0])
+    if any(keys(d, size) != shared for d, size in zip(dicts, sub.sizes)):
+        return None
+    return {k: sub.flat([d[k] for d in dicts]) for k in shared}
 
 
 def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | None,
@@ -354,7 +407,8 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
     every rank loaded; `ref` the reference run's snapshot (None: no trajectory check, as for the
     fuzzer's drawn models, which have no free-running reference); `case` the cell's case when it is
     not in the catalog. Raises ReferenceDiverged when the reference is not finite, ValueError when
-    the evidence is inconsistent (missing steps, shapes)."""
+    the evidence is inconsistent (missing steps, shapes). Each check runs on one flat tensor per
+    step ([Note: Batched checks])."""
     cell = snap["cell"]
     case = case if case is not None else get_case(cell["case"])
     spec = case.optimizer(snap["optimizer"])
@@ -380,21 +434,50 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         return rec["padding_intervals"][key.removesuffix(" (grad)")]
 
     step_worst: dict[tuple[int, str], dict] = {}  # (step, check) -> the element nearest its tolerance
+    segments_by_size: dict[tuple, Segments] = {}
 
-    def judge(check, step, name, actual, expected, tol, layout, value=None):
+    def segments(tensors: dict[str, torch.Tensor]) -> Segments:
+        """The segments of `tensors` in their order (built once per layout: every step has the same)."""
+        sizes = tuple(t.shape for t in tensors.values())
+        if sizes not in segments_by_size:
+            segments_by_size[sizes] = Segments(list(sizes))
+        return segments_by_size[sizes]
+
+    def judge(check, step, names, seg, actual, expected, tol, step_layouts) -> list[Violation | None]:
+        """Per tensor (segment), its violation or None; the step's worst element and the check's
+        statistics folded in tensor order."""
         worst = step_worst.setdefault((step, check), {})
-        v, ratio = _tensor_violation(kind, step, check, name, actual, expected, tol, layout, worst)
-        stats[check].add(actual.numel(), ratio, tol if value is not None else None, value)
-        if v:
-            viol.append(v)
+        out = []
+        for name, size, o in zip(names, seg.sizes, judge_segments(seg, actual, expected, tol)):
+            stats[check].add(o.numel, o.max_ratio)
+            if o.numel and not o.max_ratio <= worst.get("margin", -1.0):
+                worst.update(margin=o.max_ratio, diff=o.worst_diff, tol=o.worst_tol, name=name)
+            out.append(None if o.failing is None else
+                       _failing_violation(kind, step, check, name, size, step_layouts.get(name), o.failing))
+        return out
+
+    def nonfinite(step, names, tensors, step_layouts) -> list[Violation | None]:
+        out: list[Violation | None] = [None] * len(names)
+        for s in _nonfinite_segments(tensors):
+            out[s] = _nonfinite(kind, step, names[s], tensors[s], step_layouts.get(names[s]))
+        return out
+
+    def same_shapes(check, step, names, actual, expected) -> Segments:
+        for name, a, e in zip(names, actual, expected):
+            if a.shape != e.shape:
+                raise ValueError(f"{check} '{name}' step={step}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+        return segments(dict(zip(names, actual)))
 
     zero = torch.zeros((), dtype=torch.float64)
-    for name, p in snap["init"]["params"].items():
-        stats["nonfinite"].add(p.numel())
-        v = _nonfinite(kind, 0, name, p, layouts.get(name))
-        if v:
-            viol.append(v)
-        judge("init", 0, name, p, init_state[name], zero, layouts.get(name))
+    init_names = list(snap["init"]["params"])
+    init_params = list(snap["init"]["params"].values())
+    expected_init = [init_state[n] for n in init_names]
+    seg = same_shapes("init", 0, init_names, init_params, expected_init)
+    stats["nonfinite"].add(seg.total)
+    init_viol = judge("init", 0, init_names, seg, seg.flat(init_params), seg.flat(expected_init),
+                      torch.zeros(seg.total, dtype=torch.float64), layouts)
+    for pair in zip(nonfinite(0, init_names, init_params, layouts), init_viol):
+        viol.extend(v for v in pair if v)
 
     steps = snap["steps"]
     ref_steps = ref["steps"] if ref is not None else None
@@ -418,28 +501,38 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         # The shadow starts from the cell's finite parameters of the previous step: a non-finite
         # value in it is the unsharded model diverging, not the implementation.
         _require_finite("loss", step, {"<loss>": shadow["loss"]})
-        _require_finite("gradient", step, shadow["grads"])
-        _require_finite("parameter", step, shadow["params"])
+        shadow_grads = segments(shadow["grads"]).flat(list(shadow["grads"].values()))
+        if not bool(torch.isfinite(shadow_grads).all()):
+            _require_finite("gradient", step, shadow["grads"])
+        if not bool(torch.isfinite(segments(shadow["params"]).flat(list(shadow["params"].values()))).all()):
+            _require_finite("parameter", step, shadow["params"])
 
         # nonfinite: the cell's own values, first occurrence named
         stats["nonfinite"].add(rec["loss"].numel())
-        for r, value in enumerate(rec["loss"].tolist()):
-            if not torch.isfinite(torch.tensor(value)):
-                viol.append(Violation(kind, step, "nonfinite", "<loss>", float("inf"), float("inf"), 0.0, value,
-                                      float("nan"), rank=r))
-        for group in (rec["grads"], rec["params"]):
-            for name, t in group.items():
-                stats["nonfinite"].add(t.numel())
-                v = _nonfinite(kind, step, name, t, step_layouts.get(name))
-                if v:
-                    viol.append(v)
+        loss_values = rec["loss"].tolist()
+        for r, finite in enumerate(torch.isfinite(torch.tensor(loss_values)).tolist()):
+            if not finite:
+                viol.append(Violation(kind, step, "nonfinite", "<loss>", float("inf"), float("inf"), 0.0,
+                                      loss_values[r], float("nan"), rank=r))
+        grad_names = list(rec["grads"])
+        grads_flat = segments(rec["grads"]).flat(list(rec["grads"].values()))
+        cell_params_flat = segments(rec["params"]).flat(list(rec["params"].values()))
+        stats["nonfinite"].add(grads_flat.numel() + cell_params_flat.numel())
+        if not (bool(torch.isfinite(grads_flat).all()) and bool(torch.isfinite(cell_params_flat).all())):
+            for group in (rec["grads"], rec["params"]):
+                for name, t in group.items():
+                    v = _nonfinite(kind, step, name, t, step_layouts.get(name))
+                    if v:
+                        viol.append(v)
         for key, rows, padding_judged in shard_rows(rec):
+            stats["nonfinite"].add(rows.numel())
+            judged_rows = rows if padding_judged else _without_padding_rows(rows, intervals_of(rec, key))
+            if bool(torch.isfinite(judged_rows).all()):
+                continue
             for r in range(rows.shape[0]):
                 # Padding of an UNSPECIFIED convention may hold anything (uninitialised memory):
                 # zeroed in a copy, so an index found still names the shard's own element.
-                judged = rows[r] if padding_judged else _without_padding(rows[r], intervals_of(rec, key)[r])
-                stats["nonfinite"].add(judged.numel())
-                v = _nonfinite(kind, step, key, judged, None, rank=r)
+                v = _nonfinite(kind, step, key, judged_rows[r], None, rank=r)
                 if v:
                     viol.append(v)
 
@@ -450,41 +543,61 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                               "reference": ref_steps[i]["loss"].double().mean().item() if ref_steps else None})
         if losses.shape != expected.shape:
             raise ValueError(f"step {step}: {losses.numel()} rank losses, the replay has {expected.numel()}")
-        for r in range(losses.numel()):
-            d = (losses[r].double() - expected[r].double()).abs().item()
+        loss_diffs = (losses.double() - expected.double()).abs().reshape(-1).tolist()
+        expected_values = expected.reshape(-1).tolist()
+        for r, d in enumerate(loss_diffs):
             stats["loss"].add(1, 0.0 if d == 0 else float("inf"))
             if not d == 0:
-                viol.append(Violation(kind, step, "loss", "<loss>", float("inf"), d, 0.0, losses[r].item(),
-                                      expected[r].item(), rank=r))
+                viol.append(Violation(kind, step, "loss", "<loss>", float("inf"), d, 0.0, loss_values[r],
+                                      expected_values[r], rank=r))
 
         # grad: within the reduction bound of the exact mean of the local terms; param: that bound
         # through clipping and the optimizer
         missing = shadow["grads"].keys() ^ rec["grads"].keys()
         if missing:
             raise ValueError(f"step {step}: gradients of {sorted(missing)[:4]} are in only one of cell and replay")
-        grad_tols, param_tols = step_bounds.step(step, shadow)
-        for name, g in rec["grads"].items():
-            judge("grad", step, name, g, shadow["grads"][name], grad_tols[name], step_layouts.get(name),
-                  value=shadow["grads"][name])
-            tilt = _bias(kind, step, name, g, shadow["grads"][name])
+        tol_seg, grad_tol, param_tol = step_bounds.step_flat(step, shadow)
+        if grad_names != list(shadow["grads"]):  # the tolerances and the shadow's flat follow its order
+            grad_tol, param_tol, shadow_grads = (_reordered(tol_seg, list(shadow["grads"]), t, grad_names)
+                                                 for t in (grad_tol, param_tol, shadow_grads))
+        seg = same_shapes("grad", step, grad_names, list(rec["grads"].values()),
+                          [shadow["grads"][n] for n in grad_names])
+        grad_viol = judge("grad", step, grad_names, seg, grads_flat, shadow_grads, grad_tol, step_layouts)
+        stats["grad"].add_samples(seg, grad_tol, shadow_grads)
+        bias_viol = []
+        worst = step_worst.setdefault((step, "bias"), {})
+        for name, counts in zip(grad_names, sign_counts(seg, grads_flat - shadow_grads, shadow_grads)):
+            tilt = _bias_violation(kind, step, name, counts)
             stats["bias"].add(1, tilt.ratio if tilt else 0.0)
-            worst = step_worst.setdefault((step, "bias"), {})
             if tilt and not tilt.ratio <= worst.get("margin", -1.0):
                 worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
             if tilt and not tilt.ratio <= 1:
-                viol.append(tilt)
-            p_ref = shadow["params"][name]
-            judge("param", step, name, rec["params"][name], p_ref, param_tols[name], step_layouts.get(name), value=p_ref)
-        for name in rec["params"].keys() - rec["grads"].keys():
-            # No gradient (frozen): no arithmetic touches the parameter, so it must match exactly.
-            judge("param", step, name, rec["params"][name], shadow["params"][name], zero, step_layouts.get(name))
+                bias_viol.append(tilt)
+            else:
+                bias_viol.append(None)
+        # No gradient (frozen): no arithmetic touches the parameter, so it must match exactly.
+        frozen = list(rec["params"].keys() - rec["grads"].keys())
+        param_names = grad_names + frozen
+        params = {n: rec["params"][n] for n in param_names}
+        shadow_params = [shadow["params"][n] for n in param_names]
+        seg = same_shapes("param", step, param_names, list(params.values()), shadow_params)
+        params_flat = cell_params_flat if list(rec["params"]) == param_names else seg.flat(list(params.values()))
+        shadow_flat = seg.flat(shadow_params)
+        frozen_tol = torch.zeros(seg.total - param_tol.numel(), dtype=torch.float64)
+        param_viol = judge("param", step, param_names, seg, params_flat, shadow_flat,
+                           torch.cat([param_tol, frozen_tol]), step_layouts)
+        stats["param"].add_samples(segments({n: params[n] for n in grad_names}), param_tol,
+                                   shadow_flat[:param_tol.numel()])
+        for triple in zip(grad_viol, bias_viol, param_viol):
+            viol.extend(v for v in triple if v)
+        viol.extend(v for v in param_viol[len(grad_names):] if v)
 
         # replicas: every rank's full tensors bitwise equal
         replicas = rec.get("replicas")
         if replicas is not None:
-            digests = replicas["digests"]
+            columns = replicas["digests"].t().tolist()
             for j, name in enumerate(replicas["names"]):
-                column = digests[:, j].tolist()
+                column = columns[j]
                 stats["replicas"].add(len(column))
                 if len(set(column)) > 1:
                     agreed = max(set(column), key=lambda d: (column.count(d), -column.index(d)))
@@ -497,10 +610,13 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         for key, rows, padding_judged in shard_rows(rec):
             if not padding_judged:
                 continue
+            at_rows = _padding_index(intervals_of(rec, key), rows.shape[-1])
+            stats["padding"].add(at_rows.numel())
+            if not bool((rows.reshape(-1)[at_rows] != 0).any()):
+                continue
             for r, intervals in enumerate(intervals_of(rec, key)):
                 at = torch.cat([torch.arange(start, end) for start, end in intervals] + [torch.arange(0)])
                 pad = rows[r, at]
-                stats["padding"].add(pad.numel())
                 if pad.numel() and (pad != 0).any():
                     first = int((pad != 0).nonzero()[0].item())
                     viol.append(Violation(kind, step, "padding", key, float("inf"), abs(pad[first].item()), 0.0,
@@ -513,23 +629,9 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             if ref_rec["step"] != step:
                 raise ValueError(f"reference step {ref_rec['step']} where the cell has step {step}")
             _require_finite("reference parameter", step, ref_rec["params"])
-            for name, p in rec["params"].items():
-                p_ref = ref_rec["params"][name].double()
-                envelope = torch.stack([(run[i][name].double() - p_ref).abs().max() for run in perturbed]).max()
-                deviation = (p.double() - p_ref).abs()
-                # A one-ulp flip of the last rounding needs no gradient difference to happen (AdamW's
-                # first update is lr * sign(g)), so the envelope starts at the largest element's ulp.
-                floor = 2 * u_param * p_ref.abs().max() if p_ref.numel() else zero
-                tol = TRAJECTORY_FACTOR * (envelope + floor)
-                worst = int(deviation.reshape(-1).argmax().item()) if deviation.numel() else 0
-                d = deviation.max() if deviation.numel() else zero
-                v, ratio = _tensor_violation(kind, step, "trajectory", name, d.reshape(1), zero.reshape(1),
-                                             tol.reshape(1), None, step_worst.setdefault((step, "trajectory"), {}))
-                stats["trajectory"].add(p.numel(), ratio)
-                if v:
-                    viol.append(Violation(kind, step, "trajectory", name, v.ratio, v.abs_diff, v.tol,
-                                          p.reshape(-1)[worst].item(), ref_rec["params"][name].reshape(-1)[worst].item(),
-                                          worst, _coords(p.shape, worst), owner_of(step_layouts.get(name), p.shape, worst)))
+            viol.extend(_trajectory_violations(kind, step, rec["params"], ref_rec["params"], [run[i] for run in perturbed],
+                                               u_param, step_layouts, stats["trajectory"],
+                                               step_worst.setdefault((step, "trajectory"), {})))
 
             split = cell["data_mode"] == "split"
             actual_losses = rec["loss"].double().mean().reshape(1) if split else rec["loss"].double()
@@ -552,11 +654,68 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
     return result
 
 
-def _without_padding(shard: torch.Tensor, intervals) -> torch.Tensor:
-    """A copy of a shard with its padding intervals set to zero."""
-    out = shard.clone()
-    for start, end in intervals:
-        out[start:end] = 0
+def _reordered(seg: Segments, names: list[str], flat_tensor: torch.Tensor, order: list[str]) -> torch.Tensor:
+    """A flat tensor of one segment per name, its segments rearranged into `order`."""
+    by_name = dict(zip(names, seg.split(flat_tensor)))
+    return torch.cat([by_name[n].reshape(-1) for n in order] + [flat_tensor[:0]])
+
+
+def _trajectory_violations(kind, step, params, ref_params, perturbed_params, u_param, step_layouts,
+                           stats: CheckStats, worst: dict) -> list[Violation]:
+    """Each parameter's largest deviation from the reference within TRAJECTORY_FACTOR x the
+    perturbed runs' largest deviation (the envelope), one segment per parameter."""
+    names = list(params)
+    cell, ref = [params[n] for n in names], [ref_params[n] for n in names]
+    for name, p, p_ref in zip(names, cell, ref):
+        if p.numel() == 0:  # the envelope of an empty tensor has no max: raises as ever
+            torch.stack([(run[name].double() - p_ref.double()).abs().max() for run in perturbed_params])
+        if p.shape != p_ref.shape:
+            raise ValueError(f"trajectory '{name}' step={step}: shape {tuple(p.shape)} != reference {tuple(p_ref.shape)}")
+    seg = Segments([p.shape for p in cell])
+    ref_flat = seg.flat(ref)
+
+    def segment_max(x: torch.Tensor) -> torch.Tensor:  # NaN propagates, as Tensor.max
+        return torch.full((len(seg),), -math.inf, dtype=x.dtype).scatter_reduce(0, seg.ids, x, "amax",
+                                                                                 include_self=False)
+
+    envelope = None
+    for run in perturbed_params:
+        run_max = segment_max((seg.flat([run[n] for n in names]) - ref_flat).abs())
+        envelope = run_max if envelope is None else torch.maximum(envelope, run_max)
+    # A one-ulp flip of the last rounding needs no gradient difference to happen (AdamW's
+    # first update is lr * sign(g)), so the envelope starts at the largest element's ulp.
+    floor = 2 * u_param * segment_max(ref_flat.abs())
+    tol = TRAJECTORY_FACTOR * (envelope + floor)
+    cell_flat = seg.flat(cell)
+    deviation = (cell_flat - ref_flat).abs()
+    at = seg.argmax(deviation)
+    values = torch.stack([cell_flat[at], ref_flat[at]]).tolist()
+    d = deviation[at]
+    ones = Segments([torch.Size([1])] * len(seg))
+    out = []
+    for s, (o, flat_index) in enumerate(zip(judge_segments(ones, d, torch.zeros_like(d), tol), at.tolist())):
+        name, size, worst_index = names[s], seg.sizes[s], flat_index - seg.offsets[s]
+        stats.add(seg.numels[s], o.max_ratio)
+        if not o.max_ratio <= worst.get("margin", -1.0):
+            worst.update(margin=o.max_ratio, diff=o.worst_diff, tol=o.worst_tol, name=name)
+        if o.failing is not None:
+            out.append(Violation(kind, step, "trajectory", name, o.failing.ratio, o.failing.abs_diff, o.failing.tol,
+                                 values[0][s], values[1][s], worst_index, _coords(size, worst_index),
+                                 owner_of(step_layouts.get(name), size, worst_index)))
+    return out
+
+
+def _padding_index(intervals_per_row, row_numel: int) -> torch.Tensor:
+    """Flat indices into (W, row_numel) rows of every row's padding intervals."""
+    at = [r * row_numel + i for r, intervals in enumerate(intervals_per_row) for start, end in intervals
+          for i in range(start, end)]
+    return torch.tensor(at, dtype=torch.long)
+
+
+def _without_padding_rows(rows: torch.Tensor, intervals_per_row) -> torch.Tensor:
+    """A copy of (W, shard_numel) rows with every row's padding intervals set to zero."""
+    out = rows.clone(memory_format=torch.contiguous_format)
+    out.view(-1)[_padding_index(intervals_per_row, rows.shape[-1])] = 0
     return out
 
 

@@ -81,25 +81,58 @@ def _trajectory(snap: dict, order: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def evaluate(plan: RunPlan, outcome: RunOutcome, judged: Callable[[int, int], None] | None = None
-             ) -> tuple[list[CellResult], list[CellResult], list[Matrix]]:
-    """(results of the cells under test, results of the reference cells, W x W matrices).
+class Judge:
+    """The judging of one run's cells: each against its case's reference, references first.
 
-    `judged(done, total)` is called before the first cell and after each one (long runs judge for
-    minutes: the caller shows it)."""
-    snapshots: dict[tuple[str, str], dict] = {}  # only evidence that passed check_snapshot_evidence
-    case_names = sorted({c.case for c in plan.cells + plan.references})
-    init_states: dict[str, dict | str] = {}  # a state, or why there is none
-    for name in case_names:
-        path = plan.init_dir / f"{get_case(name).name}.pt"
-        try:
-            init_states[name] = load_state(path, plan.run_id)
-        except Exception as e:
-            init_states[name] = f"initial state {path} unusable: {type(e).__name__}: {e}"
-    parameters = {name: model_parameters(name) for name in case_names}
-    layout_names = {name: parameter_names(get_case(name).build_model()) for name in case_names}
+    [Note: Judging while the ranks train]
+    The ranks finish the references and the small world sizes first, and while they train the
+    larger ones the parent would wait. So `judge_early` judges a cell as soon as its completion
+    record exists (the launch's poll loop calls it), and `evaluate` later takes that result instead
+    of judging again, but only where its inputs are the same: the cell did not become an error
+    (a launch that fails after the cell completed turns it into one: "Evidence from a launch that
+    did not end cleanly is not judged", harness/run/orchestrate.py), and the reference's evidence it
+    was judged against is the evidence the final pass has (the reference itself judged, not an
+    error). Otherwise the early result is discarded and the cell judged again, so every verdict and
+    every error is what judging after the launch gives. A completed cell's files never change (no
+    launch reruns a completed cell), and an early judge that raises only leaves the cell to the
+    final pass.
+    """
 
-    def load_evidence(cell: Cell, kind: str) -> dict:
+    def __init__(self, plan: RunPlan) -> None:
+        self.plan = plan
+        self._inputs: tuple[dict, dict, dict] | None = None
+        self.early: dict[str, tuple[CellResult, dict | None, tuple]] = {}  # cell_id -> (result, evidence, ref key)
+        self.early_snapshots: dict[tuple[str, str], dict] = {}
+
+    def inputs(self) -> tuple[dict, dict, dict]:
+        """(initial state or why there is none, parameters, layout names) per case; read once the
+        run has written its initial states."""
+        if self._inputs is None:
+            plan = self.plan
+            case_names = sorted({c.case for c in plan.cells + plan.references})
+            init_states: dict[str, dict | str] = {}  # a state, or why there is none
+            for name in case_names:
+                path = plan.init_dir / f"{get_case(name).name}.pt"
+                try:
+                    init_states[name] = load_state(path, plan.run_id)
+                except Exception as e:
+                    init_states[name] = f"initial state {path} unusable: {type(e).__name__}: {e}"
+            parameters = {name: model_parameters(name) for name in case_names}
+            layout_names = {name: parameter_names(get_case(name).build_model()) for name in case_names}
+            self._inputs = init_states, parameters, layout_names
+        return self._inputs
+
+    def _reference_of(self, cell: Cell) -> Cell:
+        return next(r for r in self.plan.references if r.case == cell.case)
+
+    def _ref_key(self, cell: Cell, snapshots: dict) -> tuple:
+        """Which of the reference's snapshots a judge of `cell` would be handed."""
+        ref_cell = self._reference_of(cell)
+        return tuple(sorted(kind for cell_id, kind in snapshots if cell_id == ref_cell.cell_id))
+
+    def load_evidence(self, cell: Cell, kind: str) -> dict:
+        plan = self.plan
+        _, parameters, layout_names = self.inputs()
         path = snapshot_path(plan.snapshot_dir, cell.cell_id, kind)
         if not path.exists():
             raise EvidenceError(f"no snapshot {path} (the launch ended before this cell)")
@@ -118,50 +151,84 @@ def evaluate(plan: RunPlan, outcome: RunOutcome, judged: Callable[[int, int], No
             raise LayoutError(f"optimizer={kind}: {e}") from None
         return snap
 
-    def result_for(cell: Cell) -> CellResult:
-        if cell.cell_id in outcome.errors:
-            return CellResult(cell, "error", error=outcome.errors[cell.cell_id])
-        init_state = init_states[cell.case]
+    def judge(self, cell: Cell, snapshots: dict) -> tuple[CellResult, dict | None]:
+        """(the cell's result, its evidence by optimizer when it was judged pass or fail) against
+        the reference evidence in `snapshots`."""
+        init_state = self.inputs()[0][cell.case]
         if isinstance(init_state, str):
-            return CellResult(cell, "error", error=init_state)
+            return CellResult(cell, "error", error=init_state), None
         case = get_case(cell.case)
-        ref_cell = next(r for r in plan.references if r.case == cell.case)
+        ref_cell = self._reference_of(cell)
         loaded = {}
         try:
             for spec in case.optimizers:
-                loaded[spec.kind] = load_evidence(cell, spec.kind)
+                loaded[spec.kind] = self.load_evidence(cell, spec.kind)
                 ref = snapshots.get((ref_cell.cell_id, spec.kind))
                 if ref is not None and not cell.is_reference:
                     check_same_steps(loaded[spec.kind], ref, ref_cell)
         except EvidenceError as e:
-            return CellResult(cell, "error", error=f"incomplete evidence: {e}")
+            return CellResult(cell, "error", error=f"incomplete evidence: {e}"), None
         except LayoutError as e:  # [Note: Layout validation]
-            return CellResult(cell, "error", error=f"the adapter's layouts contradict its raw shards: {e}")
+            return CellResult(cell, "error", error=f"the adapter's layouts contradict its raw shards: {e}"), None
         result = CellResult(cell, "pass")
         for kind, snap in loaded.items():
             ref = snapshots.get((ref_cell.cell_id, kind))
             try:
                 opt = check_snapshot(snap, {n: init_state[n] for n in snap["init"]["params"]}, ref)
             except ReferenceDiverged as e:
-                return CellResult(cell, "error", error=f"optimizer={kind}: {e}")
+                return CellResult(cell, "error", error=f"optimizer={kind}: {e}"), None
             except Exception:
                 return CellResult(cell, "error", error=f"the checks of optimizer={kind} raised "
-                                                       f"(no verdict):\n{traceback.format_exc()}")
+                                                       f"(no verdict):\n{traceback.format_exc()}"), None
             if opt.error is not None:
-                return CellResult(cell, "error", optimizers={kind: opt}, error=f"optimizer={kind}: {opt.error}")
+                return CellResult(cell, "error", optimizers={kind: opt}, error=f"optimizer={kind}: {opt.error}"), None
             result.optimizers[kind] = opt
-        for kind, snap in loaded.items():
-            snapshots[(cell.cell_id, kind)] = snap
         if result.violations:
             result.verdict = "fail"
+        return result, loaded
+
+    def judge_early(self, cell: Cell) -> None:
+        """Judge a completed cell while the launch goes on (see the class docstring)."""
+        if not cell.is_reference and self._reference_of(cell).cell_id not in self.early:
+            return  # its reference is not judged yet: the final pass judges it
+        try:
+            result, loaded = self.judge(cell, self.early_snapshots)
+        except Exception:
+            return  # the final pass judges it again and reports what it raises
+        self.early[cell.cell_id] = (result, loaded, self._ref_key(cell, self.early_snapshots))
+        for kind, snap in (loaded or {}).items():
+            self.early_snapshots[(cell.cell_id, kind)] = snap
+
+    def final(self, cell: Cell, outcome: RunOutcome, snapshots: dict) -> CellResult:
+        """The cell's result after the run: an error where its launch failed, else the early
+        result where its inputs are the same, else judged now; its evidence added to `snapshots`."""
+        if cell.cell_id in outcome.errors:
+            return CellResult(cell, "error", error=outcome.errors[cell.cell_id])
+        early = self.early.get(cell.cell_id)
+        if early is not None and early[2] == self._ref_key(cell, snapshots):
+            result, loaded = early[0], early[1]
+        else:
+            result, loaded = self.judge(cell, snapshots)
+        for kind, snap in (loaded or {}).items():
+            snapshots[(cell.cell_id, kind)] = snap
         return result
 
+
+def evaluate(plan: RunPlan, outcome: RunOutcome, judged: Callable[[int, int], None] | None = None,
+             judge: Judge | None = None) -> tuple[list[CellResult], list[CellResult], list[Matrix]]:
+    """(results of the cells under test, results of the reference cells, W x W matrices).
+
+    `judged(done, total)` is called before the first cell and after each one (long runs judge for
+    minutes: the caller shows it). `judge`: the run's Judge when it judged cells early (during the
+    launch), whose results are taken where they stand ([Note: Judging while the ranks train])."""
+    judge = judge if judge is not None else Judge(plan)
+    snapshots: dict[tuple[str, str], dict] = {}  # only evidence that passed check_snapshot_evidence
     order = plan.references + plan.cells  # references first: the cells are judged against them
     results: list[CellResult] = []
     for cell in order:
         if judged is not None:
             judged(len(results), len(order))
-        results.append(result_for(cell))
+        results.append(judge.final(cell, outcome, snapshots))
     if judged is not None:
         judged(len(results), len(order))
     references, cells = results[:len(plan.references)], results[len(plan.references):]

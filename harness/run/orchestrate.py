@@ -138,8 +138,31 @@ class _WorldSizeClock:
         return time.monotonic() - self.since
 
 
+def _poller(clock: _WorldSizeClock, progress: Progress | None,
+            on_cell_complete: Callable[[Cell], None] | None) -> Callable[[], None]:
+    """What the launch's poll loop calls: the clock, the cells completed since the last call, the
+    progress line."""
+    reported = 0
+
+    def poll() -> None:
+        nonlocal reported
+        clock()
+        while on_cell_complete is not None and reported < clock.done:
+            on_cell_complete(clock.cells[reported])
+            reported += 1
+        if progress is not None:
+            progress.update(clock.world_size)
+
+    return poll
+
+
 def run_plan(plan: RunPlan, progress: Progress | None = None,
-             on_launch: Callable[[LaunchResult], None] | None = None) -> RunOutcome:
+             on_launch: Callable[[LaunchResult], None] | None = None,
+             on_cell_complete: Callable[[Cell], None] | None = None) -> RunOutcome:
+    """Every cell of the plan run (see the module docstring). `on_cell_complete(cell)` is called
+    from the launch's poll loop once per cell whose completion record appeared while its launch
+    still ran, in run order (the parent judges it then: [Note: Judging while the ranks train] in
+    harness/judge/verdict.py); the launch's timeout is checked between such calls."""
     start = time.monotonic()
     outcome = RunOutcome(plan)
     write_init_states(plan)
@@ -151,7 +174,7 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
             label = (f"w{sizes[0]}-{pending[0].cell_id}-{attempt}" if plan.launch_per_cell
                      else f"w{'_'.join(map(str, sizes))}-{attempt}")
             clock = _WorldSizeClock(plan, pending)
-            poll = (lambda: (clock(), progress.update(clock.world_size))) if progress else None
+            poll = _poller(clock, progress, on_cell_complete) if progress or on_cell_complete else None
             result = launch(plan, sizes[-1], tuple(pending), label, on_poll=poll, elapsed=clock)
             unfinished = [c for c in pending if not cell_done(plan, c)]
             if unfinished and len(sizes) > 1:  # name the world size the launch was running
