@@ -164,6 +164,9 @@ def cmd_run(args, argv: list[str]) -> int:
     from harness.run.orchestrate import Progress, run_plan
     from harness.run.output import OutputDir
     from harness.report.build import build_report, console_summary, report_files
+    import importlib
+    import threading
+
     import torch
 
     from harness.judge.verdict import Judge, evaluate
@@ -180,6 +183,8 @@ def cmd_run(args, argv: list[str]) -> int:
         # intra-op thread is faster there (measured 3x per op on 2 loaded cores), and a judge's
         # float64 sums then do not depend on the machine's core count.
         torch.set_num_threads(1)
+        # The report's plotting imports (seconds) load while the ranks train, not after them.
+        threading.Thread(target=importlib.import_module, args=("harness.report.html",), daemon=True).start()
         judge = Judge(plan)
         outcome = run_plan(plan, progress, on_cell_complete=judge.judge_early)
         cells, references, matrices = evaluate(plan, outcome, None if progress is None else progress.judged, judge)

@@ -14,7 +14,7 @@ import re
 import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from harness.report.view import CaseView, cell_label
 from harness.judge.tolerance import TRAJECTORY_FACTOR
@@ -86,6 +86,12 @@ def _legend(fig: Figure, handles: list[Line2D]) -> None:
                frameon=False)
 
 
+def _title(ax, text: str) -> None:
+    # At the default height, given explicitly: matplotlib otherwise measures every tick label of
+    # the axes at each draw to place the title above any top axis (these have none).
+    ax.set_title(text, y=1.0)
+
+
 def _steps_axis(ax, steps) -> None:
     ax.set_xlabel("step")
     if len(steps) <= MAX_STEP_TICKS:
@@ -110,7 +116,7 @@ def loss_figure(view: CaseView) -> str:
                 losses = view.losses(r, opt)
                 steps |= set(losses)
                 ax.plot(list(losses), list(losses.values()), label=cell_label(r), **style.of(r))
-            ax.set_title(f"{view.case} / {opt}")
+            _title(ax, f"{view.case} / {opt}")
             ax.set_ylabel("loss (mean over ranks)")
             _steps_axis(ax, steps)
         _legend(fig, handles)
@@ -149,7 +155,9 @@ def trajectory_figure(view: CaseView) -> str | None:
                 ax.plot(xs, [t for _, t in points.values()], color=s["color"], linestyle=(0, (2, 2)),
                         linewidth=0.9, alpha=0.8, zorder=1)
             ax.set_yscale("log")
-            ax.set_title(f"{view.case} / {opt}")
+            # Plain '1e-07' labels: the default mathtext ones are parsed by pyparsing at every draw.
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.0e}"))
+            _title(ax, f"{view.case} / {opt}")
             ax.set_ylabel("max |param - reference|")
             _steps_axis(ax, steps or {1})
         _legend(fig, handles)
