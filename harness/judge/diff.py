@@ -28,7 +28,7 @@ import torch
 
 from cases.catalog import Case, get_case
 from cases.features import DTYPES
-from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, ratios, sign_counts
+from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, sign_counts
 from harness.judge.tolerance import (BIAS_FALSE_ALARM, MAX_MEDIAN_RELATIVE_TOLERANCE, TRAJECTORY_FACTOR,
                                OptimizerErrorState, ReductionModel, clip_coefficient_error, sign_test_threshold,
                                unit_roundoff)
@@ -468,7 +468,6 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                 raise ValueError(f"{check} '{name}' step={step}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
         return segments(dict(zip(names, actual)))
 
-    zero = torch.zeros((), dtype=torch.float64)
     init_names = list(snap["init"]["params"])
     init_params = list(snap["init"]["params"].values())
     expected_init = [init_state[n] for n in init_names]
