@@ -34,7 +34,7 @@ from harness.judge.tolerance import (BIAS_FALSE_ALARM, MAX_MEDIAN_RELATIVE_TOLER
                                unit_roundoff)
 
 CHECK_ORDER = ("nonfinite", "init", "loss", "grad", "param", "bias", "replicas", "padding", "trajectory")
-BOUNDED = ("grad", "param", "trajectory")  # a worst-case bound or an envelope: honest margins stay below 0.5
+BOUNDED = ("grad", "param", "trajectory")  # a worst-case bound or an envelope: honest margins stay below 1 (docs/error_model.md)
 JUDGED = ("grad", "param", "bias", "trajectory")  # the checks with a non-zero tolerance (bias: a sign test)
 
 
