@@ -169,7 +169,7 @@ def cmd_run(args, argv: list[str]) -> int:
 
     import torch
 
-    from harness.judge.verdict import Judge, evaluate
+    from harness.judge.verdict import Judge, Verdict, evaluate
 
     plan = _plan_from_args(args)
     baseline = None
@@ -213,7 +213,7 @@ def cmd_run(args, argv: list[str]) -> int:
             with open(step_summary, "a") as f:
                 f.write(files["summary.md"] + "\n")
     print(f"reports: {written['report.md']}")
-    return EXIT_PASS if report.verdict == "pass" else EXIT_FAIL
+    return EXIT_PASS if report.verdict == Verdict.PASS else EXIT_FAIL
 
 
 def cmd_list() -> int:

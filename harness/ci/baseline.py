@@ -51,6 +51,7 @@ from harness.errors import PlanError
 from harness.run.plan import RunPlan
 from harness.run.snapshot import load_snapshot, snapshot_path, write_atomic_text
 from harness.judge.diff import StepBounds
+from harness.judge.verdict import Verdict
 from harness.report.environment import BASELINE_KEY_FIELDS, baseline_key, plan_environment
 
 FORMAT = "fsdp-equiv-baseline/2"  # /2: the key gained cuda and gpu
@@ -276,8 +277,8 @@ class BaselineResult:
     wall_s: float = 0.0  # seconds the check took (its JUnit test case's time)
 
     @property
-    def verdict(self) -> str:
-        return "error" if self.error else ("fail" if self.violations else "pass")
+    def verdict(self) -> Verdict:
+        return Verdict.ERROR if self.error else (Verdict.FAIL if self.violations else Verdict.PASS)
 
     @property
     def cell_id(self) -> str:

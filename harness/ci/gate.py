@@ -16,12 +16,13 @@ from xml.etree import ElementTree as ET
 
 from harness.ci.baseline import BaselineResult
 from harness.report.junit import MAX_FAILURE_LINES, add_cell_outcome, add_testcase, recount
+from harness.judge.verdict import Verdict
 from harness.report.build import Report
 
 
 def apply_baseline(report: Report, results: list[BaselineResult]) -> Report:
-    if any(r.verdict != "pass" for r in results):
-        return replace(report, verdict="fail")
+    if any(r.verdict != Verdict.PASS for r in results):
+        return replace(report, verdict=Verdict.FAIL)
     return report
 
 
@@ -32,7 +33,7 @@ def _first_line(text: str | None) -> str:
 def _cell_rows(report: Report) -> list[tuple[str, str, str, str]]:
     """(cell id, verdict, max_abs_diff, first divergence or first error line) for cells, then references."""
     rows = []
-    for r in report.cells + [r for r in report.references if r.verdict != "pass"]:
+    for r in report.cells + [r for r in report.references if r.verdict != Verdict.PASS]:
         traj = r.trajectory()
         first = r.first_divergence.describe(r.cell.cell_id) if r.first_divergence else _first_line(r.error)
         rows.append((r.cell.cell_id, r.verdict, f"{traj.max_abs:.3g}" if traj else "n/a", first))
@@ -98,5 +99,5 @@ def print_baseline(baseline: list[BaselineResult]) -> None:
             print(f"BASELINE ERROR {b.cell_id}: {b.error}")
         for v in b.violations[:5]:
             print(f"BASELINE FAIL {v.describe(b.path)}")
-        if b.verdict == "pass":
+        if b.verdict == Verdict.PASS:
             print(f"baseline {b.path}: case={b.case} pass ({b.num_checked} values within tolerance)")

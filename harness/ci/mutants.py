@@ -26,6 +26,7 @@ from pathlib import Path
 
 from cases.catalog import CASES, OptimizerSpec
 from harness.judge.diff import BOUNDED, JUDGED, Violation
+from harness.judge.verdict import Verdict
 from harness.errors import UserError
 from harness.fuzz.check import ExampleResult, run_example
 from harness.fuzz.pool import PoolConfig, RankPool
@@ -208,7 +209,7 @@ def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float, world_siz
         by_fault.setdefault(key, []).append(
             Evidence(f"gate {r.cell.cell_id}", r.violations, r.margins(), r.error))
     for r in references:
-        if r.verdict != "pass":  # a broken reference spoils every comparison: report it as honest failure
+        if r.verdict != Verdict.PASS:  # a broken reference spoils every comparison: report it as honest failure
             by_fault.setdefault(HONEST, []).append(Evidence(f"gate {r.cell.cell_id}", r.violations, {}, r.error))
     return by_fault
 

@@ -8,6 +8,7 @@ checks raised. Every cell of the plan gets a row.
 
 from __future__ import annotations
 
+import enum
 import math
 import traceback
 from collections.abc import Callable
@@ -24,12 +25,31 @@ from harness.run.plan import Cell, RunPlan
 from harness.run.snapshot import load_snapshot, load_state, snapshot_path
 
 
+class Verdict(str, enum.Enum):
+    """A cell's (and a run's) verdict. A str, so JSON, CSV and JUnit carry its value ('pass');
+    made from a string it must be one of these, so a misspelt verdict raises instead of reading
+    as 'not pass' somewhere and 'not fail' somewhere else."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:  # f-strings show the value on every Python version
+        return format(self.value, spec)
+
+
 @dataclass
 class CellResult:
     cell: Cell
-    verdict: str  # pass | fail | error
+    verdict: Verdict
     optimizers: dict[str, OptimizerResult] = field(default_factory=dict)
     error: str | None = None
+
+    def __setattr__(self, name, value) -> None:
+        super().__setattr__(name, Verdict(value) if name == "verdict" else value)
 
     @property
     def violations(self) -> list[Violation]:
@@ -156,7 +176,7 @@ class Judge:
         the reference evidence in `snapshots`."""
         init_state = self.inputs()[0][cell.case]
         if isinstance(init_state, str):
-            return CellResult(cell, "error", error=init_state), None
+            return CellResult(cell, Verdict.ERROR, error=init_state), None
         case = get_case(cell.case)
         ref_cell = self._reference_of(cell)
         loaded = {}
@@ -167,24 +187,24 @@ class Judge:
                 if ref is not None and not cell.is_reference:
                     check_same_steps(loaded[spec.kind], ref, ref_cell)
         except EvidenceError as e:
-            return CellResult(cell, "error", error=f"incomplete evidence: {e}"), None
+            return CellResult(cell, Verdict.ERROR, error=f"incomplete evidence: {e}"), None
         except LayoutError as e:  # [Note: Layout validation]
-            return CellResult(cell, "error", error=f"the adapter's layouts contradict its raw shards: {e}"), None
-        result = CellResult(cell, "pass")
+            return CellResult(cell, Verdict.ERROR, error=f"the adapter's layouts contradict its raw shards: {e}"), None
+        result = CellResult(cell, Verdict.PASS)
         for kind, snap in loaded.items():
             ref = snapshots.get((ref_cell.cell_id, kind))
             try:
                 opt = check_snapshot(snap, {n: init_state[n] for n in snap["init"]["params"]}, ref)
             except ReferenceDiverged as e:
-                return CellResult(cell, "error", error=f"optimizer={kind}: {e}"), None
+                return CellResult(cell, Verdict.ERROR, error=f"optimizer={kind}: {e}"), None
             except Exception:
-                return CellResult(cell, "error", error=f"the checks of optimizer={kind} raised "
+                return CellResult(cell, Verdict.ERROR, error=f"the checks of optimizer={kind} raised "
                                                        f"(no verdict):\n{traceback.format_exc()}"), None
             if opt.error is not None:
-                return CellResult(cell, "error", optimizers={kind: opt}, error=f"optimizer={kind}: {opt.error}"), None
+                return CellResult(cell, Verdict.ERROR, optimizers={kind: opt}, error=f"optimizer={kind}: {opt.error}"), None
             result.optimizers[kind] = opt
         if result.violations:
-            result.verdict = "fail"
+            result.verdict = Verdict.FAIL
         return result, loaded
 
     def judge_early(self, cell: Cell) -> None:
@@ -203,7 +223,7 @@ class Judge:
         """The cell's result after the run: an error where its launch failed, else the early
         result where its inputs are the same, else judged now; its evidence added to `snapshots`."""
         if cell.cell_id in outcome.errors:
-            return CellResult(cell, "error", error=outcome.errors[cell.cell_id])
+            return CellResult(cell, Verdict.ERROR, error=outcome.errors[cell.cell_id])
         early = self.early.get(cell.cell_id)
         if early is not None and early[2] == self._ref_key(cell, snapshots):
             result, loaded = early[0], early[1]

@@ -19,14 +19,14 @@ from harness.judge.diff import CHECK_ORDER
 from harness.report.environment import plan_environment
 from harness.run.outcome import RunOutcome
 from harness.judge.tolerance import TRAJECTORY_FACTOR
-from harness.judge.verdict import CellResult, Matrix
+from harness.judge.verdict import CellResult, Matrix, Verdict
 
 EXACT_CHECKS = ("nonfinite", "init", "loss", "replicas", "padding")  # tolerance 0: a violation is the failure
 
 
 @dataclass(frozen=True)
 class Report:
-    verdict: str  # pass | fail
+    verdict: Verdict  # PASS or FAIL (a cell's error fails the run)
     cells: list[CellResult]
     references: list[CellResult]
     matrices: list[Matrix]
@@ -39,8 +39,8 @@ class Report:
 
 
 def build_report(cells, references, matrices, outcome: RunOutcome, command: str) -> Report:
-    bad = [c for c in cells + references if c.verdict != "pass"]
-    return Report("fail" if bad or not cells else "pass", cells, references, matrices,
+    bad = [c for c in cells + references if c.verdict != Verdict.PASS]
+    return Report(Verdict.FAIL if bad or not cells else Verdict.PASS, cells, references, matrices,
                   plan_environment(outcome.plan), command, outcome.wall_s, outcome.plan.skipped,
                   outcome.plan.run_id, dict(outcome.cell_wall_s))
 
@@ -68,7 +68,7 @@ def json_safe(obj):
 
 def first_check(r: CellResult) -> str:
     """The check of the first divergence ('nonfinite', 'grad', ...), 'error' or ''."""
-    if r.verdict == "error":
+    if r.verdict == Verdict.ERROR:
         return "error"
     first = r.first_divergence
     return first.check if first is not None else ""
@@ -233,15 +233,15 @@ def report_files(report: Report) -> dict[str, str]:
 
 def console_summary(report: Report, stream=sys.stdout) -> None:
     for r in report.cells:
-        if r.verdict == "fail":
+        if r.verdict == Verdict.FAIL:
             print(f"FAIL {r.first_divergence.describe(r.cell.cell_id)}", file=stream)
-        elif r.verdict == "error":
+        elif r.verdict == Verdict.ERROR:
             print(f"ERROR {r.cell.cell_id}:\n{r.error}", file=stream)
     for r in report.references:
-        if r.verdict != "pass":
+        if r.verdict != Verdict.PASS:
             print(f"REFERENCE {r.verdict.upper()} {r.cell.cell_id}: {r.error or r.first_divergence.describe(r.cell.cell_id)}", file=stream)
     for case, impl, reason in sorted({(c.case, c.impl, reason) for c, reason in report.skipped}):
         print(f"SKIP {case} ({impl}): {reason}", file=stream)
-    counts = {v: sum(r.verdict == v for r in report.cells) for v in ("pass", "fail", "error")}
+    counts = {v.value: sum(r.verdict == v for r in report.cells) for v in Verdict}
     print(f"verdict: {report.verdict} ({counts['pass']} pass, {counts['fail']} fail, {counts['error']} error, "
           f"{len(report.cells)} cells, {report.wall_s:.0f}s)", file=stream)

@@ -21,7 +21,7 @@ from harness.report.build import Report, fmt_value, error_model_rows, step_rows
 from harness.report.view import (case_views, cell_label, check_detail, check_margins, margin_class, margin_text,
                                  skipped_groups, verdict_counts, worst_judged)
 from harness.judge.tolerance import TRAJECTORY_FACTOR
-from harness.judge.verdict import CellResult
+from harness.judge.verdict import CellResult, Verdict
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -40,12 +40,12 @@ def _env_line(env: dict) -> str:
 def _failures(report: Report) -> list[dict]:
     out = []
     for r in report.cells + report.references:
-        if r.verdict == "fail":
+        if r.verdict == Verdict.FAIL:
             v = r.first_divergence
             out.append({"cell_id": r.cell.cell_id,
                         "headline": f"{v.check} at step {v.step}, |diff| / tol = {margin_text(v.ratio)}",
                         "detail": v.describe(r.cell.cell_id).removeprefix(r.cell.cell_id + " ")})
-        elif r.verdict == "error":
+        elif r.verdict == Verdict.ERROR:
             lines = (r.error or "").strip().splitlines()
             out.append({"cell_id": r.cell.cell_id, "headline": "error (crashed, hung or not judged)",
                         "detail": lines[0] if lines else ""})
@@ -55,10 +55,10 @@ def _failures(report: Report) -> list[dict]:
 def _grid_entry(r: CellResult, time_s: float | None) -> dict:
     check, margin = worst_judged(r)
     took = f", {time_s:.1f} s" if time_s is not None else ""
-    if r.verdict == "fail":
+    if r.verdict == Verdict.FAIL:
         first = r.first_divergence
         return {"css": "v-fail", "text": f"FAIL {first.check}", "title": first.describe(r.cell.cell_id)}
-    if r.verdict == "error":
+    if r.verdict == Verdict.ERROR:
         return {"css": "v-error", "text": "ERROR", "title": (r.error or "").strip()[:500]}
     return {"css": margin_class(margin), "text": f"pass {margin_text(margin)}",
             "title": f"{r.cell.cell_id}: worst margin {check}={margin_text(margin)}{took}; {check_detail(r, check)}"}
@@ -172,7 +172,7 @@ def render_html(report: Report) -> str:
         "trajectory_figures": [f for f in (trajectory_figure(v) for v in views if v.optimizers) if f],
         "trajectory_factor": f"{TRAJECTORY_FACTOR:g}",
         "errors": [{"cell_id": r.cell.cell_id, "first_line": ((r.error or "").strip().splitlines() or [""])[0],
-                    "text": r.error} for r in report.cells + report.references if r.verdict == "error"],
+                    "text": r.error} for r in report.cells + report.references if r.verdict == Verdict.ERROR],
         "heatmaps": _heatmaps(report), "checks": CHECK_ORDER,
         "tolerance_headers": headers, "tolerance_rows": tolerance_rows,
         "skipped": skipped_groups(report), "cell_steps": _cell_steps(report), "matrices": _matrices(report),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from xml.etree import ElementTree as ET
 
+from harness.judge.verdict import Verdict
 from harness.report.build import Report
 
 MAX_FAILURE_LINES = 20
@@ -30,11 +31,11 @@ def add_testcase(root: ET.Element, classname: str, name: str, time_s: float) -> 
 def add_cell_outcome(case: ET.Element, result) -> None:
     """The `<failure>` or `<error>` of a CellResult that did not pass."""
     cell_id = result.cell.cell_id
-    if result.verdict == "fail":
+    if result.verdict == Verdict.FAIL:
         first = result.first_divergence
         ET.SubElement(case, "failure", message=first.describe(cell_id), type=first.check).text = "\n".join(
             v.describe(cell_id) for v in result.violations[:MAX_FAILURE_LINES])
-    elif result.verdict == "error":
+    elif result.verdict == Verdict.ERROR:
         ET.SubElement(case, "error", message=_first_line(result.error), type="error").text = result.error
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.judge.diff import JUDGED
+from harness.judge.verdict import Verdict
 from harness.report.build import Report, fmt_value, cell_row, error_model_rows, first_check
 from harness.report.view import case_views, cell_label, margin_text, skipped_groups, verdict_counts
 from harness.judge.tolerance import TRAJECTORY_FACTOR
@@ -48,7 +49,7 @@ def render_markdown(report: Report) -> str:
            "per-rank loss, replicas, padding) have tolerance 0. `bitwise = reference`: the free-running cell "
            "equals the reference run (impl=single, W = 1) bit for bit at every step.\n",
            "## Verdicts\n", _md_table(_verdict_rows(report)) + "\n"]
-    failing = [r for r in report.cells if r.verdict == "fail"]
+    failing = [r for r in report.cells if r.verdict == Verdict.FAIL]
     out.append("## First divergences\n")
     if failing:
         for r in failing:
@@ -58,7 +59,7 @@ def render_markdown(report: Report) -> str:
         out.append("")
     else:
         out.append("(none: no cell diverged)\n")
-    errored = [r for r in report.cells + report.references if r.verdict == "error"]
+    errored = [r for r in report.cells + report.references if r.verdict == Verdict.ERROR]
     if errored:
         out.append("## Errors (crashed or hung ranks)\n")
         for r in errored:

@@ -18,7 +18,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from harness.report.view import CaseView, cell_label
 from harness.judge.tolerance import TRAJECTORY_FACTOR
-from harness.judge.verdict import CellResult
+from harness.judge.verdict import CellResult, Verdict
 
 WORLD_SIZE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 IMPL_STYLES = ("-", "--", ":", "-.")
@@ -40,7 +40,7 @@ class _Style:
         self.modes = sorted({r.cell.data_mode for r in cells})
 
     def of(self, r: CellResult) -> dict:
-        failed = r.verdict != "pass"
+        failed = r.verdict != Verdict.PASS
         return {"color": self.colour[r.cell.world_size], "linestyle": self.style[r.cell.impl_label],
                 "marker": DATA_MARKERS.get(r.cell.data_mode, "s"), "markersize": 4 if failed else 3,
                 "linewidth": 2.2 if failed else 1.1, "zorder": 3 if failed else 2}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from harness.judge.diff import CHECK_ORDER, JUDGED
 from harness.report.build import Report
-from harness.judge.verdict import CellResult
+from harness.judge.verdict import CellResult, Verdict
 
 # |diff| / tol bands: honest runs stay below NEAR; up to 1 passes near the bound; above fails.
 NEAR = 0.5
@@ -46,7 +46,7 @@ def cell_label(r: CellResult) -> str:
 
 
 def verdict_counts(report: Report) -> dict[str, int]:
-    return {v: sum(r.verdict == v for r in report.cells) for v in ("pass", "fail", "error")}
+    return {v.value: sum(r.verdict == v for r in report.cells) for v in Verdict}
 
 
 def skipped_groups(report: Report) -> list[dict]:
