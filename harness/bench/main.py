@@ -293,10 +293,9 @@ def render_markdown(result: dict) -> str:
         f"torch {env['torch']}, {env['backend']}, {env['threads_per_rank']} intra-op thread per rank"
         + ("" if load is None else f", load average {load} at the start")
         + (" (smoke run: tiny model, figures meaningless)" if env["smoke"] else "") + ".",
-        "",
     ]
     if result["speed"]:
-        lines += ["## Step time and communication (ours vs torch FSDP2, interleaved, median)", "",
+        lines += ["", "## Step time and communication (ours vs torch FSDP2, interleaved, median)", "",
                   *_speed_markdown(result["speed"])]
     memory = result["memory"]
     if memory:
