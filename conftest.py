@@ -17,9 +17,9 @@ def pytest_addoption(parser):
 
 # -- progress and expected duration of the whole suite --------------------------------------------
 # Measured (README "Measured figures"): the default command, `python -m pytest -n 2 -q`, took about
-# 22 min on CI's machine and 46-65 min on the project's 2-core VM while other jobs shared it. The
-# slow tier runs for minutes between dots, so a line every PROGRESS_EVERY_S seconds says how far
-# the run is.
+# 22 min on CI's machine, 31 min on the project's 2-core VM nearly alone and 46-65 min while
+# other jobs shared it. The slow tier runs for minutes between dots, so a line every
+# PROGRESS_EVERY_S seconds says how far the run is.
 EXPECTED_SUITE_MINUTES = 25
 PROGRESS_EVERY_S = 60.0
 
