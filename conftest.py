@@ -1,4 +1,10 @@
-"""Root conftest: options and markers shared by the test tiers (see tests/README.md)."""
+"""Root conftest: options, markers and the tiers of the test command (see tests/README.md).
+
+Tiers (--tier): `default`, what `python -m pytest -n 2 -q` runs before a merge, is every fast
+test and the slow tests marked `core` (the standard matrix and the planted-bug battery, each
+configuration in one shared launch); `extended` is the other slow tests (real architectures,
+feature cases, crash and hang handling, fuzz pools, adapters, gate, bisect, bench), which CI runs
+after the default tier (.ci/run); `all` is both."""
 
 import os
 import time
@@ -10,17 +16,24 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+TIERS = ("default", "extended", "all")
+TIER_TEXT = {"default": "fast tests and the core slow tests; --tier extended runs the other slow tests",
+             "extended": "the slow tests outside the core", "all": "every test"}
+
+
 def pytest_addoption(parser):
-    parser.addoption("--world-sizes", default="1,2,4,8", help="world sizes of the slow matrix tests")
+    parser.addoption("--tier", default="default", choices=TIERS,
+                     help="default: fast tests and the core slow tests; extended: the other slow tests; all: both")
+    parser.addoption("--world-sizes", default="1,2,4", help="world sizes of the core matrix tests (W = 8 runs in the "
+                     "extended tier)")
     parser.addoption("--impls", default="ours,fsdp2", help="implementations of the slow matrix tests")
 
 
-# -- progress and expected duration of the whole suite --------------------------------------------
-# Measured (README "Measured figures"): the default command, `python -m pytest -n 2 -q`, took about
-# 22 min on CI's machine, 31 min on the project's 2-core VM nearly alone and 46-65 min while
-# other jobs shared it. The slow tier runs for minutes between dots, so a line every
-# PROGRESS_EVERY_S seconds says how far the run is.
-EXPECTED_SUITE_MINUTES = 25
+# -- progress and expected duration of each tier -------------------------------------------------
+# Measured with -n 2 on the project's 2-core VM (README "Measured figures"), rounded up. The slow
+# tests run for minutes between dots, so a line every PROGRESS_EVERY_S seconds says how far the
+# run is.
+EXPECTED_MINUTES = {"default": 5, "extended": 25, "all": 30}
 PROGRESS_EVERY_S = 60.0
 
 
@@ -35,9 +48,10 @@ class _Progress:
     def pytest_sessionstart(self, session) -> None:
         terminal = self.config.pluginmanager.get_plugin("terminalreporter")
         if terminal is not None:  # shown with -q too, unlike the report header
-            terminal.write_line(f"expected duration: about {EXPECTED_SUITE_MINUTES} min for the whole suite with -n 2 "
-                                f"on a quiet 2-core machine, longer when it is shared (README: Measured figures); a progress line every "
-                                f"{PROGRESS_EVERY_S:.0f} s")
+            tier = self.config.getoption("--tier")
+            terminal.write_line(f"tier {tier} ({TIER_TEXT[tier]}): expected about {EXPECTED_MINUTES[tier]} min with -n 2 "
+                                f"on a quiet 2-core machine, longer when it is shared (README: Measured figures); a "
+                                f"progress line every {PROGRESS_EVERY_S:.0f} s")
 
     def pytest_collection_finish(self, session) -> None:
         self.total = self.total or len(session.items)
@@ -57,7 +71,25 @@ class _Progress:
             terminal = self.config.pluginmanager.get_plugin("terminalreporter")
             if terminal is not None:
                 terminal.write_line(f"[progress {minutes}m{seconds:02d}s] {self.done}/{self.total or '?'} tests done "
-                                    f"(expected about {EXPECTED_SUITE_MINUTES} min in all)")
+                                    f"(expected about {EXPECTED_MINUTES[self.config.getoption('--tier')]} min in all)")
+
+
+def in_tier(item, tier: str) -> bool:
+    extended = item.get_closest_marker("slow") is not None and item.get_closest_marker("core") is None
+    return tier == "all" or extended == (tier == "extended")
+
+
+def pytest_collection_modifyitems(config, items):
+    tier = config.getoption("--tier")
+    kept = [item for item in items if in_tier(item, tier)]
+    dropped = [item for item in items if not in_tier(item, tier)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+        other = "--tier extended or --tier all" if tier == "default" else "--tier default or --tier all"
+        terminal = config.pluginmanager.get_plugin("terminalreporter")
+        if terminal is not None and not hasattr(config, "workerinput"):
+            terminal.write_line(f"tier {tier}: {len(dropped)} tests of another tier deselected (run them with {other})")
 
 
 def pytest_configure(config):

@@ -74,6 +74,8 @@ def _add_matrix_args(p: argparse.ArgumentParser, *, cases, impls, world_sizes, d
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one rank per GPU (default cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted impl/ bugs, for tests
+    # for tests: besides every cell, one copy of it per listed fault (a battery of planted bugs, one launch)
+    p.add_argument("--fault-copies", default="", help=argparse.SUPPRESS)
     p.add_argument("--launch-per-cell", action="store_true", help=argparse.SUPPRESS)  # to measure batching
 
 
@@ -150,6 +152,7 @@ def _plan_from_args(args):
         timeout_s=args.timeout,
         out_dir=args.out,
         faults=parse_csv(args.faults, "faults") if args.faults else (),
+        fault_copies=parse_csv(args.fault_copies, "fault-copies") if getattr(args, "fault_copies", "") else (),
         backend=args.backend,
         device=args.device,
         threads=args.threads,

@@ -80,17 +80,34 @@ def _matrix_ids(config) -> set[str]:
             for w in _option_list(config, "--world-sizes") for data in MATRIX_DATA}
 
 
-@pytest.mark.slow
-def test_matrix_cell_is_equivalent(standard_matrix, matrix_cell_id):
-    cell = _cells(standard_matrix)[matrix_cell_id]
+def _assert_honest_matrix_cell(run: dict, cell: dict) -> None:
     assert cell["verdict"] == "pass", cell["first_divergence_text"] or cell["error"]
-    _assert_judged(standard_matrix, cell, get_case(cell["case"]).steps, padding=cell["impl"] == "ours")
+    _assert_judged(run, cell, get_case(cell["case"]).steps, padding=cell["impl"] == "ours")
     margins = {f"{kind}.{check}": checks[check]["margin"] for kind, checks in cell["checks"].items()
                for check in ("loss", "grad", "param", "trajectory")}
-    assert max(margins.values()) < 0.5, f"{matrix_cell_id}: honest margins {margins} not below half the tolerance"
+    assert max(margins.values()) < 0.5, f"{cell['cell_id']}: honest margins {margins} not below half the tolerance"
 
 
 @pytest.mark.slow
+@pytest.mark.core
+def test_matrix_cell_is_equivalent(standard_matrix, matrix_cell_id):
+    _assert_honest_matrix_cell(standard_matrix, _cells(standard_matrix)[matrix_cell_id])
+
+
+@pytest.mark.slow
+def test_the_standard_matrix_at_w8_passes(tmp_path_factory, request):
+    """The extended tier's W = 8 (the core matrix runs --world-sizes, default 1,2,4)."""
+    impls = _option_list(request.config, "--impls")
+    run = _shared_run(tmp_path_factory, "matrix-w8", ["run", "--impls", ",".join(impls), "--world-sizes", "8"])
+    assert run["rc"] == 0, run["output"][-3000:]
+    cells = _cells(run)
+    assert set(cells) == {f"{c}.{i}.w8.{d}" for c in MATRIX_CASES for i in impls for d in MATRIX_DATA}, sorted(cells)
+    for cell in cells.values():
+        _assert_honest_matrix_cell(run, cell)
+
+
+@pytest.mark.slow
+@pytest.mark.core
 def test_matrix_run_exits_0_with_bitwise_fsdp2_identical_cells_and_matrices(standard_matrix, request):
     assert standard_matrix["rc"] == 0, standard_matrix["output"][-3000:]
     cells = _cells(standard_matrix)
@@ -111,11 +128,59 @@ def test_matrix_run_exits_0_with_bitwise_fsdp2_identical_cells_and_matrices(stan
         assert (Path(standard_matrix["out"]) / name).stat().st_size > 0
 
 
+# -- planted bugs: one battery, one launch ----------------------------------------------------------
+# Every planted fault of impl/ below is run on a copy of each honest cell (`--fault-copies`) in one
+# launch of W = 2 and 4, with identical and split data, beside an adapter that corrupts one
+# gathered element on rank 1 and the honest cells themselves: each copy is judged against the same
+# reference as its honest twin, which must pass. Two steps: a violation at step 1 must not disturb
+# the checks of step 2.
+BATTERY_FAULTS = ("grad_scale_1e-6", "grad_scale_1e-5", "grad_scale_1e-7", "grad_shift_one_ulp",
+                  "grad_padding_garbage", "no_grad_average")
+BATTERY = dict(cases=("mlp", "transformer"), world_sizes=(2, 4), data=("identical", "split"), steps=2)
+CORRUPT = "corrupt_gathered_element"
+# Faults that act only on a feature: one launch of their cases.
+FEATURE_FAULTS = ("replica_grad_drift", "master_lost_to_param_dtype")
+FEATURE_BATTERY = dict(cases=("no_shard", "mixed_precision"), world_sizes=(2,), data=("split",), steps=1)
+
+
+def _battery_ids(battery: dict, impls: tuple[str, ...], faults: tuple[str, ...]) -> set[str]:
+    honest = [f"{c}.{i}.w{w}.{d}" for c in battery["cases"] for i in impls for w in battery["world_sizes"]
+              for d in battery["data"]]
+    return set(honest) | {f"{h}.{f}" for h in honest if ".ours." in h for f in faults}
+
+
+def _battery_args(battery: dict, impls: tuple[str, ...], faults: tuple[str, ...]) -> list[str]:
+    return ["run", "--cases", ",".join(battery["cases"]), "--impls", ",".join(impls),
+            "--world-sizes", ",".join(map(str, battery["world_sizes"])), "--data", ",".join(battery["data"]),
+            "--steps", str(battery["steps"]), "--fault-copies", ",".join(faults)]
+
+
 @pytest.fixture(scope="session")
-def no_grad_average_run(tmp_path_factory):
-    return _shared_run(tmp_path_factory, "no-grad-average", [
-        "run", "--cases", "mlp,transformer", "--impls", "ours", "--world-sizes", "2",
-        "--data", "identical,split", "--faults", "no_grad_average"])
+def planted_run(tmp_path_factory):
+    impls = ("ours", f"{PLUGINS}:CorruptGatheredElement")
+    run = _shared_run(tmp_path_factory, "planted", _battery_args(BATTERY, impls, BATTERY_FAULTS))
+    assert set(_cells(run)) == _battery_ids(BATTERY, ("ours", CORRUPT), BATTERY_FAULTS), sorted(_cells(run))
+    return run
+
+
+@pytest.fixture(scope="session")
+def feature_fault_run(tmp_path_factory):
+    run = _shared_run(tmp_path_factory, "planted-features", _battery_args(FEATURE_BATTERY, ("ours",), FEATURE_FAULTS))
+    assert set(_cells(run)) == _battery_ids(FEATURE_BATTERY, ("ours",), FEATURE_FAULTS), sorted(_cells(run))
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.core
+def test_planted_runs_exit_1_and_every_honest_twin_passes(planted_run, feature_fault_run):
+    for run, battery in ((planted_run, BATTERY), (feature_fault_run, FEATURE_BATTERY)):
+        assert run["rc"] == 1, run["output"][-3000:]
+        assert {r["case"]: r["verdict"] for r in run["summary"]["references"]} == {c: "pass" for c in battery["cases"]}
+        honest = _battery_ids(battery, ("ours",), ())
+        assert len(honest) == len(battery["cases"]) * len(battery["world_sizes"]) * len(battery["data"])
+        for cell in (_cells(run)[i] for i in sorted(honest)):
+            assert cell["verdict"] == "pass", (cell["cell_id"], cell["first_divergence_text"] or cell["error"])
+            _assert_judged(run, cell, battery["steps"], padding=True)
 
 
 def _parameter_names(case: str) -> set[str]:
@@ -144,54 +209,44 @@ def _assert_caught_at_step_1(cell: dict, check: str) -> None:
 
 
 @pytest.mark.slow
-def test_sum_without_average_fails_every_cell_with_sgd_and_adamw(no_grad_average_run):
-    assert no_grad_average_run["rc"] == 1, no_grad_average_run["output"][-3000:]
-    cells = _cells(no_grad_average_run)
-    assert set(cells) == {f"{c}.ours.w2.{d}.no_grad_average" for c in ("mlp", "transformer")
-                          for d in ("identical", "split")}, sorted(cells)
+@pytest.mark.core
+def test_sum_without_average_fails_every_cell_with_sgd_and_adamw(planted_run):
+    cells = {i: c for i, c in _cells(planted_run).items() if i.endswith(".no_grad_average")}
+    assert set(cells) == {f"{c}.ours.w{w}.{d}.no_grad_average" for c in BATTERY["cases"]
+                          for w in BATTERY["world_sizes"] for d in BATTERY["data"]}, sorted(cells)
     for cell in cells.values():
         # Both optimizers caught it (the gradient check does not rely on the parameters moving).
         _assert_caught_at_step_1(cell, "grad")
-        assert cell["first_divergence"]["rank"] in (0, 1), cell["first_divergence"]
+        assert cell["first_divergence"]["rank"] in range(cell["world_size"]), cell["first_divergence"]
         assert f"rank {cell['first_divergence']['rank']}'s shard" in cell["first_divergence_text"]
 
 
-# Planted errors the error model must catch (docs/error_model.md): each run's cells all fail, on
-# the check that names the error; the ids also prove every requested cell ran.
+# Planted errors the error model must catch (docs/error_model.md): name -> (fault, the check that
+# must name it first, the battery cells it is asserted on: (cases, world sizes, data modes)).
+_BOTH = ("mlp", "transformer")
 PLANTED = {
-    "scale-1e-6-identical": (["--cases", "mlp", "--world-sizes", "2,8", "--data", "identical", "--steps", "1",
-                              "--faults", "grad_scale_1e-6"], "grad",
-                             {"mlp.ours.w2.identical.grad_scale_1e-6", "mlp.ours.w8.identical.grad_scale_1e-6"}),
-    "scale-1e-5-split": (["--cases", "mlp,transformer", "--world-sizes", "2,4", "--data", "split", "--steps", "1",
-                          "--faults", "grad_scale_1e-5"], "grad",
-                         {f"{c}.ours.w{w}.split.grad_scale_1e-5" for c in ("mlp", "transformer") for w in (2, 4)}),
+    "scale-1e-6-identical": ("grad_scale_1e-6", "grad", (_BOTH, (2, 4), ("identical",))),
+    "scale-1e-5-split": ("grad_scale_1e-5", "grad", (_BOTH, (2, 4), ("split",))),
     # Inside the per-element bound at W = 4 (and a one-ulp shift at every W): only the signs tell.
-    "scale-1e-7-split": (["--cases", "mlp,transformer", "--world-sizes", "4", "--data", "split", "--steps", "1",
-                          "--faults", "grad_scale_1e-7"], "bias",
-                         {f"{c}.ours.w4.split.grad_scale_1e-7" for c in ("mlp", "transformer")}),
-    "shift-one-ulp": (["--cases", "mlp", "--world-sizes", "2", "--data", "split", "--steps", "1",
-                       "--faults", "grad_shift_one_ulp"], "bias", {"mlp.ours.w2.split.grad_shift_one_ulp"}),
-    "replica-drift": (["--cases", "no_shard", "--world-sizes", "2", "--data", "split", "--steps", "1",
-                       "--faults", "replica_grad_drift"], "replicas", {"no_shard.ours.w2.split.replica_grad_drift"}),
+    "scale-1e-7-split": ("grad_scale_1e-7", "bias", (_BOTH, (4,), ("split",))),
+    "shift-one-ulp": ("grad_shift_one_ulp", "bias", (_BOTH, (2, 4), ("identical", "split"))),
     # Two steps: a padding violation at step 1 must not disturb the trajectory check of step 2.
-    "grad-padding-garbage": (["--cases", "mlp", "--world-sizes", "2", "--data", "split", "--steps", "2",
-                              "--faults", "grad_padding_garbage"], "padding",
-                             {"mlp.ours.w2.split.grad_padding_garbage"}),
-    "lost-master": (["--cases", "mixed_precision", "--world-sizes", "2", "--data", "split", "--steps", "1",
-                     "--faults", "master_lost_to_param_dtype"], "param",
-                    {"mixed_precision.ours.w2.split.master_lost_to_param_dtype"}),
+    "grad-padding-garbage": ("grad_padding_garbage", "padding", (_BOTH, (2, 4), ("identical", "split"))),
+    "replica-drift": ("replica_grad_drift", "replicas", (("no_shard",), (2,), ("split",))),
+    "lost-master": ("master_lost_to_param_dtype", "param", (("mixed_precision",), (2,), ("split",))),
 }
 
 
 @pytest.mark.slow
+@pytest.mark.core
 @pytest.mark.parametrize("name", sorted(PLANTED))
-def test_planted_error_is_caught_by_its_check(tmp_path_factory, name):
-    args, check, expected_ids = PLANTED[name]
-    run = _shared_run(tmp_path_factory, f"planted-{name}", ["run", "--impls", "ours", *args])
-    assert run["rc"] == 1, run["output"][-3000:]
+def test_planted_error_is_caught_by_its_check(request, name):
+    fault, check, (cases, world_sizes, data) = PLANTED[name]
+    run = request.getfixturevalue("feature_fault_run" if fault in FEATURE_FAULTS else "planted_run")
     cells = _cells(run)
-    assert set(cells) == expected_ids, sorted(cells)
-    for cell in cells.values():
+    expected = {f"{c}.ours.w{w}.{d}.{fault}" for c in cases for w in world_sizes for d in data}
+    assert expected <= set(cells), sorted(expected - set(cells))
+    for cell in (cells[i] for i in sorted(expected)):
         if check == "replicas":  # a digest per tensor: the gradient of a parameter, on the rank that drifted
             assert cell["verdict"] == "fail" and cell["first_divergence"]["step"] == 1, cell["first_divergence"]
             first = cell["first_divergence"]
@@ -202,6 +257,7 @@ def test_planted_error_is_caught_by_its_check(tmp_path_factory, name):
 
 
 @pytest.mark.slow
+@pytest.mark.core
 def test_a_drift_every_step_hides_fails_on_the_trajectory_and_the_honest_twin_passes(tmp_path_factory):
     run = _shared_run(tmp_path_factory, "drift", [
         "run", "--cases", "mlp", "--impls", f"ours,{PLUGINS}:DriftOneUlpPerStep", "--world-sizes", "2",
@@ -286,20 +342,13 @@ def test_feature_cell_passes_with_every_check_judged(feature_run, cell_id):
     _assert_judged(feature_run, cell, FEATURE_STEPS, padding=cell["impl"] == "ours" and cell["case"] != "zero1")
 
 
-@pytest.fixture(scope="session")
-def corrupt_run(tmp_path_factory):
-    return _shared_run(tmp_path_factory, "corrupt", [
-        "run", "--cases", "mlp,transformer", "--impls", f"{PLUGINS}:CorruptGatheredElement",
-        "--world-sizes", "2", "--data", "identical,split"])
-
-
 @pytest.mark.slow
-def test_one_corrupted_gathered_element_on_one_rank_is_caught(corrupt_run):
-    assert corrupt_run["rc"] == 1, corrupt_run["output"][-3000:]
-    report = (Path(corrupt_run["out"]) / "report.md").read_text()
-    cells = _cells(corrupt_run)
-    assert set(cells) == {f"{c}.corrupt_gathered_element.w2.{d}" for c in ("mlp", "transformer")
-                          for d in ("identical", "split")}, sorted(cells)
+@pytest.mark.core
+def test_one_corrupted_gathered_element_on_one_rank_is_caught(planted_run):
+    report = (Path(planted_run["out"]) / "report.md").read_text()
+    cells = {i: c for i, c in _cells(planted_run).items() if f".{CORRUPT}." in i}
+    assert set(cells) == {f"{c}.{CORRUPT}.w{w}.{d}" for c in BATTERY["cases"] for w in BATTERY["world_sizes"]
+                          for d in BATTERY["data"]}, sorted(cells)
     for cell_id, cell in cells.items():
         assert cell["verdict"] == "fail", cell_id
         first = cell["first_divergence"]
@@ -310,11 +359,12 @@ def test_one_corrupted_gathered_element_on_one_rank_is_caught(corrupt_run):
         grad_names = {v["name"] for v in cell["violations"] if (v["check"], v["step"]) == ("grad", 1)}
         assert grad_names and grad_names <= _parameter_names(cell["case"]), cell["violations"]
         assert cell["first_divergence_text"] in report
-    summary = json.loads((Path(corrupt_run["out"]) / "summary.json").read_text())
+    summary = json.loads((Path(planted_run["out"]) / "summary.json").read_text())
     assert summary["verdict"] == "fail"
 
 
 @pytest.mark.slow
+@pytest.mark.core
 def test_a_rank_that_raises_ends_the_run_names_the_rank_and_leaves_no_process(tmp_path):
     out = tmp_path / "raise"
     rc, output = _harness(["run", "--cases", "mlp", "--impls", f"{PLUGINS}:RaiseOnRank1",

@@ -93,6 +93,21 @@ def test_standard_plan_has_32_cells_and_references_in_the_first_launch(tmp_path)
     assert Cell.from_json(cell.to_json()) == cell
 
 
+def test_fault_copies_add_one_copy_per_fault_where_it_can_act(tmp_path):
+    plan = build_plan(cases=("mlp",), impls=("ours", "fsdp2"), world_sizes=(1, 2), data_modes=("split",),
+                      fault_copies=("no_grad_average", "dist_scale_1e-5"), out_dir=tmp_path)
+    ids = [c.cell_id for c in plan.cells]
+    assert len(set(ids)) == len(ids)
+    honest = {"mlp.ours.w1.split", "mlp.fsdp2.w1.split", "mlp.ours.w2.split", "mlp.fsdp2.w2.split"}
+    # impl/'s fault on impl=ours only; the collective fault only where there are collectives (W > 1)
+    assert set(ids) == honest | {"mlp.ours.w1.split.no_grad_average", "mlp.ours.w2.split.no_grad_average",
+                                 "mlp.ours.w2.split.dist_scale_1e-5", "mlp.fsdp2.w2.split.dist_scale_1e-5"}
+    assert {c.faults for c in plan.cells if c.cell_id in honest} == {()}
+    assert [r.cell_id for r in plan.references] == ["ref.mlp"]  # one reference judges every copy
+    with pytest.raises(PlanError, match="unknown fault"):
+        build_plan(cases=("mlp",), fault_copies=("no_such_fault",), out_dir=tmp_path)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"cases": ("nope",)}, "unknown case 'nope'"),
     ({"impls": ("nope",)}, "unknown impl 'nope'"),

@@ -159,6 +159,22 @@ def _cell_faults(faults: tuple[str, ...], impl: str, world_size: int) -> tuple[s
     return tuple(sorted((impl_faults if impl == "ours" else set()) | (collective_faults if world_size > 1 else set())))
 
 
+def _fault_copies(cells: list[Cell], fault_copies: tuple[str, ...]) -> list[Cell]:
+    """One more copy of each cell per fault, carrying that fault besides the cell's own, where the
+    fault can act (impl/'s faults on impl=ours, collective faults at W > 1): many planted bugs and
+    their honest twins in one launch, each judged against the same reference. Tests use it (run
+    --fault-copies) to pay start-up once for a battery of planted bugs."""
+    from dataclasses import replace
+
+    copies = []
+    for fault in fault_copies:
+        for cell in cells:
+            added = _cell_faults((fault,), cell.impl, cell.world_size)
+            if added and fault not in cell.faults:
+                copies.append(replace(cell, faults=tuple(sorted(cell.faults + added))))
+    return copies
+
+
 def build_plan(
     *,
     cases: tuple[str, ...] = DEFAULT_CASES,
@@ -169,6 +185,7 @@ def build_plan(
     timeout_s: float = 600.0,
     out_dir: str | Path = "reports",
     faults: tuple[str, ...] = (),
+    fault_copies: tuple[str, ...] = (),
     threads: int = 1,
     launch_per_cell: bool = False,
     backend: str = "gloo",
@@ -232,10 +249,10 @@ def build_plan(
             )
         if impl.split(":")[0].endswith(".py"):
             extra_paths.append(str(Path(impl.split(":")[0]).resolve().parent))
-    if faults:
+    if faults or fault_copies:
         from harness.run.dist_faults import check_faults
 
-        check_faults(faults, impls)
+        check_faults(faults + fault_copies, impls)
 
     cells, skipped = [], []
     for case_name in cases:
@@ -266,6 +283,7 @@ def build_plan(
     if not cells:
         raise PlanError("nothing to run: every requested cell is skipped: "
                         + "; ".join(sorted({f"{c.case} ({c.impl}): {r}" for c, r in skipped})))
+    cells += _fault_copies(cells, fault_copies)
     references = tuple(
         Cell(name, REFERENCE_IMPL, 1, "identical", steps or get_case(name).steps, is_reference=True)
         for name in cases if any(c.case == name for c in cells)
