@@ -72,6 +72,7 @@ harness/adapters/registry.py resolves `--impls` names, and a user's adapter need
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
@@ -233,14 +234,67 @@ def full_tensors(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
 def _named_full(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    out = {}
+    out: dict[str, torch.Tensor | None] = {}
+    batches: dict[tuple, list[tuple[str, DTensor]]] = {}
     for name, p in model.named_parameters():
         t = p.grad if grads else p
         if t is None:
             continue
+        key = _dim0_batch_key(t) if isinstance(t, DTensor) else None
+        if key is not None:
+            out[plain_name(name)] = None  # filled below, in the model's order
+            batches.setdefault(key, []).append((plain_name(name), t))
+            continue
         if isinstance(t, DTensor):
             t = t.full_tensor()
         out[plain_name(name)] = t.detach().clone()
+    for batch in batches.values():
+        out.update(_gather_dim0(batch))
+    return out
+
+
+def _dim0_batch_key(t) -> tuple | None:
+    """DTensors sharded on dim 0 over one mesh dimension (and replicated over the others: FSDP2,
+    HSDP) are gathered together, one all-gather per (mesh, placements, dtype) instead of one per
+    tensor; anything else (0-d, strided or other-dim shards, partial) goes through full_tensor()."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    shard_dims = [i for i, pl in enumerate(t.placements) if type(pl) is Shard and pl.dim == 0]
+    others_replicated = all(type(pl) is Replicate for i, pl in enumerate(t.placements) if i not in shard_dims)
+    if t.ndim == 0 or len(shard_dims) != 1 or not others_replicated:
+        return None
+    return (id(t.device_mesh), tuple(t.placements), t.dtype, t.device)
+
+
+def _gather_dim0(batch: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """[Note: Batched evidence gathers] The full tensors of dim-0-sharded DTensors of one mesh from
+    one all-gather: each rank's local rows, padded to the chunk size ceil(rows / W) of torch.chunk
+    (DTensor's and FSDP2's split), are concatenated; the gathered buffer holds rank r's block at
+    r * L, and each tensor is its ranks' real rows in rank order. A copy of every element, no
+    arithmetic: bitwise full_tensor() (tests/test_adapters.py), at one collective per step and kind."""
+    from torch.distributed.tensor import Shard
+
+    mesh = batch[0][1].device_mesh
+    mesh_dim = next(i for i, pl in enumerate(batch[0][1].placements) if type(pl) is Shard)
+    world = mesh.size(mesh_dim)
+    pieces, spans = [], []
+    for name, t in batch:
+        rows, row_numel = t.shape[0], math.prod(t.shape[1:])
+        chunk = -(-rows // world)
+        local = t.to_local().detach().reshape(-1)
+        padded = local.new_zeros(chunk * row_numel)
+        padded[:local.numel()] = local
+        pieces.append(padded)
+        spans.append((name, t.shape, rows, chunk, row_numel))
+    send = torch.cat(pieces)
+    gathered = send.new_empty(world * send.numel())
+    dist.all_gather_into_tensor(gathered, send, group=mesh.get_group(mesh_dim))
+    blocks = gathered.view(world, send.numel())
+    out, offset = {}, 0
+    for name, shape, rows, chunk, row_numel in spans:
+        parts = [blocks[r, offset:offset + max(0, min(chunk, rows - r * chunk)) * row_numel] for r in range(world)]
+        out[name] = torch.cat(parts).view(shape).clone()
+        offset += chunk * row_numel
     return out
 
 
