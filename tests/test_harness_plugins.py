@@ -133,3 +133,19 @@ def test_plugins_satisfy_the_adapter_protocol():
     for cls in (CorruptGatheredElement, RaiseOnRank1, HangOnRank1, RaiseInDestroyOnRank1, ExitNonZeroAtExitOnRank1,
                 HangAtExitOnRank1, DriftOneUlpPerStep):
         assert isinstance(cls(), Adapter), cls
+
+
+class OursProcessPerWorld(Ours):
+    """ours, declared to keep process-wide state (as DeepSpeed does): its cells run in a launch per
+    world size, and each rank checks that it never ran a cell of another world size before."""
+
+    name = "ours_process_per_world"
+    process_per_world = True
+    _worlds: set[int] = set()
+
+    def wrap(self, model, wrap_paths, ctx):
+        seen = OursProcessPerWorld._worlds
+        if seen - {ctx.world_size}:
+            raise RuntimeError(f"rank {ctx.rank}: W={ctx.world_size} in a process that ran W={sorted(seen)}")
+        seen.add(ctx.world_size)
+        return super().wrap(model, wrap_paths, ctx)

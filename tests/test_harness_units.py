@@ -108,6 +108,21 @@ def test_fault_copies_add_one_copy_per_fault_where_it_can_act(tmp_path):
         build_plan(cases=("mlp",), fault_copies=("no_such_fault",), out_dir=tmp_path)
 
 
+def test_an_adapter_with_process_wide_state_gets_a_launch_per_world_size(tmp_path):
+    from harness.run.orchestrate import _launch_groups
+
+    apart = "tests/test_harness_plugins.py:OursProcessPerWorld"
+    plan = build_plan(cases=("mlp",), impls=("ours", apart), world_sizes=(1, 2, 4), data_modes=("split",),
+                      out_dir=tmp_path)
+    groups = [[c.cell_id for c in g] for g in _launch_groups(plan)]
+    assert groups == [["ref.mlp", "mlp.ours.w1.split", "mlp.ours.w2.split", "mlp.ours.w4.split"],
+                      ["mlp.ours_process_per_world.w1.split"], ["mlp.ours_process_per_world.w2.split"],
+                      ["mlp.ours_process_per_world.w4.split"]]
+    alone = build_plan(cases=("mlp",), impls=(apart,), world_sizes=(2, 4), data_modes=("split",), out_dir=tmp_path)
+    assert [[c.cell_id for c in g] for g in _launch_groups(alone)] == [
+        ["ref.mlp", "mlp.ours_process_per_world.w2.split"], ["mlp.ours_process_per_world.w4.split"]]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"cases": ("nope",)}, "unknown case 'nope'"),
     ({"impls": ("nope",)}, "unknown impl 'nope'"),

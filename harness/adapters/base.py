@@ -128,6 +128,10 @@ class Adapter:
     reshards_checkpoints: ClassVar[bool] = False
     param_padding: ClassVar[Padding] = Padding.ZERO
     grad_padding: ClassVar[Padding] = Padding.ZERO
+    # True when the library keeps process-wide state across process groups: its cells then run in
+    # fresh processes per world size instead of sharing the run's one launch ([Note: One launch,
+    # every world size] in harness/run/orchestrate.py).
+    process_per_world: ClassVar[bool] = False
 
     # -- required ---------------------------------------------------------------------------------
 

@@ -41,25 +41,6 @@ def _import_deepspeed(device_type: str):
     return deepspeed
 
 
-_WORLD_OF_CACHED_GROUPS: list = []  # the default group DeepSpeed's cached groups were made in
-
-
-def _forget_groups_of_an_earlier_world(deepspeed) -> None:
-    """DeepSpeed caches process groups in module globals (a clone of the world group, data-parallel
-    groups) and drops them only when its own destroy_process_group runs. One launch of the harness
-    runs every world size in a fresh default group of its own ([Note: One launch, every world
-    size] in harness/run/orchestrate.py), so an engine built in a later world would use groups of a
-    destroyed one ("Group ... is not registered"): release them when the world changed."""
-    world = torch.distributed.group.WORLD
-    if _WORLD_OF_CACHED_GROUPS and _WORLD_OF_CACHED_GROUPS[0] is not world:
-        release = getattr(deepspeed.utils.groups, "_release_process_group_references", None)
-        if release is None:
-            raise RuntimeError(f"deepspeed {deepspeed.__version__} has no groups._release_process_group_references: "
-                               f"its cached process groups cannot be released between world sizes")
-        release(None)
-    _WORLD_OF_CACHED_GROUPS[:] = [world]
-
-
 def deepspeed_config(stage: int, world_size: int) -> dict:
     """The engine's whole configuration ([Note: DeepSpeed config])."""
     return {
@@ -83,6 +64,11 @@ def deepspeed_config(stage: int, world_size: int) -> dict:
 class DeepSpeed(Adapter):
     name = "deepspeed_zero3"
     param_padding = Padding.UNSPECIFIED  # ZeRO-3 partitions: tail padding left uninitialised
+    # DeepSpeed keeps process-wide state across engines and process groups: groups cached in module
+    # globals, ZeRO-3's module ids counted per process (rank 0, which also ran the smaller world
+    # sizes, disagreed with the others: "Detected a disagreement on list contents"), so each world
+    # size's cells run in a launch of their own.
+    process_per_world = True
 
     def __init__(self, stage: int = 3, name: str = "deepspeed_zero3") -> None:
         self.stage = stage
@@ -106,7 +92,6 @@ class DeepSpeed(Adapter):
 
     def make_optimizer(self, model, spec, features):
         deepspeed = _import_deepspeed(self.device_type)
-        _forget_groups_of_an_earlier_world(deepspeed)
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=spec.build(model.parameters()),
             config=deepspeed_config(self.stage, self.world_size), dist_init_required=False)

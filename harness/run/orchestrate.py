@@ -9,7 +9,9 @@ Each world size's process group is a fresh W-rank world, as in a launch of W ran
 adapters that build meshes over the world need nothing else; tests/test_harness_runs.py checks
 that every cell's evidence is bitwise that of a launch of its own (--launch-per-cell).
 --timeout applies to each world size: counted from the launch's start for the first, from the
-completion of the previous world size's last cell for the others.
+completion of the previous world size's last cell for the others. An adapter whose library keeps
+process-wide state across process groups (`Adapter.process_per_world`: DeepSpeed caches groups and
+counts module ids per process) gets a launch per world size after the shared one.
 
 Every launch outcome counts. A cell is complete when every rank of its world size got past the
 barrier after it (rank 0 then writes its completion record, stamped with the run id). When a
@@ -104,11 +106,23 @@ class Progress:
 
 
 def _launch_groups(plan: RunPlan) -> list[tuple[Cell, ...]]:
-    """Cells in the order they run: the references, then every world size ascending."""
+    """Cells in the order they run, one tuple per launch: the references, then every world size
+    ascending, in one launch; the cells of an adapter with `process_per_world` (DeepSpeed) in a
+    launch per world size after it (the references join the first of those when nothing else is
+    shared)."""
+    from harness.adapters.registry import resolve_impl
+
     cells = tuple(c for w in plan.world_sizes for c in plan.cells_for(w))
     if plan.launch_per_cell:
         return [(c,) for c in cells]
-    return [cells] if cells else []
+    apart = {c.impl for c in plan.cells if resolve_impl(c.impl).process_per_world}
+    shared = [c for c in cells if c.impl not in apart]
+    groups = [[c for c in plan.cells if c.world_size == w and c.impl in apart] for w in plan.world_sizes]
+    groups = [g for g in groups if g]
+    if groups and all(c.is_reference for c in shared):
+        groups[0] = shared + groups[0]
+        shared = []
+    return [tuple(g) for g in ([shared] if shared else []) + groups]
 
 
 def _runs_at(plan: RunPlan, cell: Cell) -> int:
