@@ -22,8 +22,9 @@ TIER_TEXT = {"default": "fast tests and the core slow tests; --tier extended run
 
 
 def pytest_addoption(parser):
-    parser.addoption("--tier", default="default", choices=TIERS,
-                     help="default: fast tests and the core slow tests; extended: the other slow tests; all: both")
+    parser.addoption("--tier", default=None, choices=TIERS,
+                     help="default: fast tests and the core slow tests; extended: the other slow tests; all: both "
+                          "(without --tier: default, or all when the command names test files or ids)")
     parser.addoption("--world-sizes", default="1,2,4", help="world sizes of the core matrix tests (W = 8 runs in the "
                      "extended tier)")
     parser.addoption("--impls", default="ours,fsdp2", help="implementations of the slow matrix tests")
@@ -48,7 +49,7 @@ class _Progress:
     def pytest_sessionstart(self, session) -> None:
         terminal = self.config.pluginmanager.get_plugin("terminalreporter")
         if terminal is not None:  # shown with -q too, unlike the report header
-            tier = self.config.getoption("--tier")
+            tier = selected_tier(self.config)
             terminal.write_line(f"tier {tier} ({TIER_TEXT[tier]}): expected about {EXPECTED_MINUTES[tier]} min with -n 2 "
                                 f"on a quiet 2-core machine, longer when it is shared (README: Measured figures); a "
                                 f"progress line every {PROGRESS_EVERY_S:.0f} s")
@@ -71,7 +72,18 @@ class _Progress:
             terminal = self.config.pluginmanager.get_plugin("terminalreporter")
             if terminal is not None:
                 terminal.write_line(f"[progress {minutes}m{seconds:02d}s] {self.done}/{self.total or '?'} tests done "
-                                    f"(expected about {EXPECTED_MINUTES[self.config.getoption('--tier')]} min in all)")
+                                    f"(expected about {EXPECTED_MINUTES[selected_tier(self.config)]} min in all)")
+
+
+def selected_tier(config) -> str:
+    """--tier when given; otherwise `all` for a command that names test files or ids (someone asking
+    for tests/test_architectures.py wants it run) and `default` for the bare test command."""
+    tier = config.getoption("--tier")
+    if tier is not None:
+        return tier
+    whole = {(config.rootpath / p).resolve() for p in config.getini("testpaths")} | {config.rootpath.resolve()}
+    named = [a for a in config.args if (config.invocation_params.dir / a).resolve() not in whole]
+    return "all" if named else "default"
 
 
 def in_tier(item, tier: str) -> bool:
@@ -80,7 +92,7 @@ def in_tier(item, tier: str) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    tier = config.getoption("--tier")
+    tier = selected_tier(config)
     kept = [item for item in items if in_tier(item, tier)]
     dropped = [item for item in items if not in_tier(item, tier)]
     if dropped:
