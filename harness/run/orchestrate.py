@@ -115,7 +115,7 @@ def _launch_groups(plan: RunPlan) -> list[tuple[Cell, ...]]:
     cells = tuple(c for w in plan.world_sizes for c in plan.cells_for(w))
     if plan.launch_per_cell:
         return [(c,) for c in cells]
-    apart = {c.impl for c in plan.cells if resolve_impl(c.impl).process_per_world}
+    apart = {impl for impl in {c.impl for c in plan.cells} if resolve_impl(impl).process_per_world}
     shared = [c for c in cells if c.impl not in apart]
     groups = [[c for c in plan.cells if c.world_size == w and c.impl in apart] for w in plan.world_sizes]
     groups = [g for g in groups if g]
