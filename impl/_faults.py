@@ -28,6 +28,9 @@ FAULTS: dict[str, str] = {
     "replica_grad_drift": "HSDP / NO_SHARD: the second replica's gradient is scaled by (1 + 1e-3), so the "
                           "replicas drift apart",
     "grad_nan_one_element": "the last rank's first gradient element becomes NaN at its second reduction",
+    "buffers_zeroed_at_wrap": "fully_shard zeroes the buffers of the modules it wraps (BatchNorm's running "
+                              "variance becomes 0), as a wrap that re-created the module's storage and copied "
+                              "back its parameters only",
 }
 GRAD_SCALE_FAULTS = {"grad_scale_1e-5": 1e-5, "grad_scale_1e-6": 1e-6, "grad_scale_1e-7": 1e-7}
 

@@ -146,6 +146,11 @@ def fully_shard(
     _, replicate_world_size = group_rank_and_size(replicate_group)
 
     owners, params = _collect_params(module, faults)
+    if "buffers_zeroed_at_wrap" in faults:
+        with torch.no_grad():
+            for _, sub in _unwrapped_modules(module):
+                for b in sub.buffers(recurse=False):
+                    b.zero_()
     comm = CommConfig(
         shard_group=process_group,
         replicate_group=replicate_group,

@@ -32,8 +32,9 @@ from scratch_repo import REPO, copy_project
 # Fast-tier files that judge evidence (the whole fast tier with --fast-tier).
 JUDGE_FAST = ("tests/test_tolerance_bounds.py", "tests/test_judge_checks.py", "tests/test_judge_nonfinite.py",
               "tests/test_harness_units.py", "tests/test_padding_intervals.py", "tests/test_evidence.py",
-              "tests/test_fuzz.py", "tests/test_bias_check.py")
+              "tests/test_fuzz.py", "tests/test_bias_check.py", "tests/test_buffers.py")
 _PLANTED = "tests/test_harness_runs.py::test_planted_error_is_caught_by_its_check[{}]"
+_BUFFERS_SLOW = "tests/test_harness_runs.py::test_buffers_zeroed_at_wrap_fail_at_step_0_on_every_rank"
 _DRIFT = ("tests/test_harness_runs.py::"
           "test_a_drift_every_step_hides_fails_on_the_trajectory_and_the_honest_twin_passes")
 
@@ -89,6 +90,11 @@ MUTANTS = (
            (("if tilt and not tilt.ratio <= 1:", "if False:"),), (_PLANTED.format("scale-1e-7-split"),)),
     Mutant("replicas_disabled", "replica digests never compared", "harness/judge/diff.py",
            (("if len(set(column)) > 1:", "if False:"),), (_PLANTED.format("replica-drift"),)),
+    Mutant("buffers_disabled", "rank 0's buffers never compared", "harness/judge/diff.py",
+           (("        if index is not None:\n            num = (", "        if False:\n            num = ("),),
+           (_BUFFERS_SLOW,)),
+    Mutant("buffer_digests_disabled", "the other ranks' buffer digests never compared", "harness/judge/diff.py",
+           (("            if d != want_digest:\n", "            if False:\n"),), (_BUFFERS_SLOW,)),
     Mutant("padding_disabled", "padding never checked", "harness/judge/diff.py",
            (("if pad.numel() and (pad != 0).any():", "if False:"),)),
     Mutant("trajectory_disabled", "trajectory check never fails", "harness/judge/diff.py",

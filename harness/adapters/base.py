@@ -198,6 +198,12 @@ class Adapter:
         """Full averaged gradients under the plain model's names (after backward; a collective)."""
         return full_tensors(model, grads=True)
 
+    def full_buffers(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's module buffers (BatchNorm running statistics, RoPE tables, masks) under the
+        plain model's names, persistent or not. Implementations keep buffers whole on every rank;
+        a DTensor buffer is gathered (a collective: every rank calls this)."""
+        return module_buffers(model)
+
     def layouts(self, model: nn.Module) -> dict[str, dict]:
         """Per parameter name, how its elements map to ranks (harness/run/snapshot.py, 'layouts');
         {} when the adapter gives none (owning ranks are then not named)."""
@@ -233,6 +239,22 @@ def full_tensors(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
         with FullyShardedDataParallel.summon_full_params(model, writeback=False, with_grads=grads):
             return _named_full(model, grads)
     return _named_full(model, grads)
+
+
+def module_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every buffer of a (wrapped) model under the plain model's names, copied to the CPU; DDP's
+    inner module; DTensors through full_tensor()."""
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    out = {}
+    for name, b in model.named_buffers():
+        if isinstance(b, DTensor):
+            b = b.full_tensor()
+        out[plain_name(name)] = b.detach().to("cpu", copy=True)
+    return out
 
 
 def _named_full(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:

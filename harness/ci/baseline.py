@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from cases.catalog import get_case
-from harness.run.evidence import check_snapshot_evidence, model_parameters
+from harness.run.evidence import check_snapshot_evidence, model_buffers, model_parameters
 from harness.errors import PlanError
 from harness.run.plan import RunPlan
 from harness.run.snapshot import load_snapshot, snapshot_path, write_atomic_text
@@ -97,11 +97,12 @@ def baseline_from_snapshots(ref_plan: RunPlan) -> dict:
     for ref in ref_plan.cells:
         optimizers = {}
         sizes, grad_names = model_parameters(ref.case)
+        buffer_sizes = model_buffers(ref.case)
         for spec in get_case(ref.case).optimizers:
             path = snapshot_path(ref_plan.snapshot_dir, ref.cell_id, spec.kind)
             try:
                 snap = load_snapshot(path)
-                check_snapshot_evidence(snap, ref, spec.kind, ref_plan.run_id, sizes, grad_names)
+                check_snapshot_evidence(snap, ref, spec.kind, ref_plan.run_id, sizes, grad_names, buffer_sizes)
             except Exception as e:
                 raise BaselineNotRecorded(f"snapshot {path}: {type(e).__name__}: {e}") from None
             optimizers[spec.kind] = {
@@ -327,12 +328,13 @@ def check_baseline(plan: RunPlan, baseline: dict, path: str) -> list[BaselineRes
         start = time.perf_counter()
         recorded_case = baseline["cases"][ref.case]
         sizes, grad_names = model_parameters(ref.case)
+        buffer_sizes = model_buffers(ref.case)
         for spec in get_case(ref.case).optimizers:
             recorded = recorded_case["optimizers"][spec.kind]
             snap_path = snapshot_path(plan.snapshot_dir, ref.cell_id, spec.kind)
             try:
                 snap = load_snapshot(snap_path)
-                check_snapshot_evidence(snap, ref, spec.kind, plan.run_id, sizes, grad_names)
+                check_snapshot_evidence(snap, ref, spec.kind, plan.run_id, sizes, grad_names, buffer_sizes)
             except Exception as e:
                 out.error = (f"no usable reference snapshot {snap_path} ({type(e).__name__}: {e}); "
                              f"the reference run failed, see its row")

@@ -46,6 +46,7 @@ FAULT_CASES = {
     "master_lost_to_param_dtype": ("mixed_precision", "mixed_precision_bf16_reduce"),
     "no_grad_average": ("mixed_precision", "mixed_precision_bf16_reduce"),
     "replica_grad_drift": ("no_shard", "hybrid_shard"),
+    "buffers_zeroed_at_wrap": ("batchnorm",),  # identical data only: BatchNorm refuses split
 }
 # Real architectures (cases/architectures.py): every fault runs on each too, honestly and planted,
 # and the per-case table shows it caught on each. A fault that acts only under a feature a case
@@ -56,6 +57,7 @@ FAULT_NEEDS = {
     "master_lost_to_param_dtype": "mixed precision",
     "replica_grad_drift": "replicated shards (HSDP or NO_SHARD)",
     "tied_param_duplicated": "a parameter with two names (tied weights)",
+    "buffers_zeroed_at_wrap": "module buffers",
 }
 
 
@@ -73,6 +75,7 @@ def fault_cannot_act(fault: str, case_name: str) -> str | None:
         "master_lost_to_param_dtype": features.mixed_precision,
         "replica_grad_drift": features.mesh != "shard",
         "tied_param_duplicated": _has_tied_parameter(case),
+        "buffers_zeroed_at_wrap": any(True for _ in case.build_model().buffers()),
     }[fault]
     return None if has else f"n/a: needs {need}"
 
@@ -190,10 +193,17 @@ def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float, world_siz
     from harness.report.build import build_report, report_files
     from harness.judge.verdict import evaluate
 
+    from cases.catalog import get_case
+
     extra = tuple(sorted({c for f in faults for c in FAULT_CASES.get(f, ())}))
-    base = build_plan(cases=GATE_CASES + extra + arch_cases, impls=(impl,), world_sizes=world_sizes,
-                      data_modes=("identical", "split"), steps=GATE_STEPS, timeout_s=timeout_s,
-                      out_dir=out_dir)
+    every_case = GATE_CASES + extra + arch_cases
+    # Each case in the data modes it has (batchnorm: identical only), one plan for all of them.
+    modes_of = {c: tuple(m for m in ("identical", "split") if m in get_case(c).data_modes) for c in every_case}
+    plans = [build_plan(cases=tuple(c for c in every_case if modes_of[c] == modes), impls=(impl,),
+                        world_sizes=world_sizes, data_modes=modes, steps=GATE_STEPS, timeout_s=timeout_s,
+                        out_dir=out_dir) for modes in dict.fromkeys(modes_of.values())]
+    base = replace(plans[0], cells=sum((p.cells for p in plans), ()), references=sum((p.references for p in plans), ()),
+                   skipped=sum((p.skipped for p in plans), ()))
     acts = {(f, c): fault_cannot_act(f, c) is None for f in faults for c in arch_cases}
     cells = base.cells + tuple(replace(c, faults=(f,)) for f in faults for c in base.cells
                                if c.case in GATE_CASES + FAULT_CASES.get(f, ()) or acts.get((f, c.case)))

@@ -111,28 +111,39 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
+def _no_buffers(reference: _Reference, world_size: int) -> dict:
+    """The buffers evidence of a drawn model, which has none (harness/fuzz/spec.py builds only
+    parameters); a model with buffers would need the ranks to report them."""
+    if reference.shadow.buffers:
+        raise ValueError(f"drawn model has buffers {sorted(reference.shadow.buffers)[:4]}: the fuzz worker does not "
+                         f"report buffers")
+    return {"values": {}, "digests": torch.zeros(world_size, 0, dtype=torch.long)}
+
+
 def assemble_full_snapshot(spec: ModelSpec, impl: str, replies: list[dict], init: dict[str, torch.Tensor],
                            reference: _Reference | None = None) -> dict:
     """The snapshot of an adapter's run from rank 0's full tensors (no raw shards, no layouts)."""
     reference = reference or _Reference(spec, init)
+    buffers = _no_buffers(reference, spec.world_size)
     adapter = resolve_impl(impl)
     steps, params_before, rank0 = [], replies[0]["init"], replies[0]
     for t in range(spec.steps):
         steps.append({"step": t + 1, "loss": torch.stack([r["loss"][t] for r in replies]),
                       "grads": rank0["grads"][t], "params": rank0["data"][t], "shards": {}, "shard_grads": {},
-                      "padding_intervals": {}, "replicas": None,
+                      "padding_intervals": {}, "replicas": None, "buffers": buffers,
                       "shadow": reference.step(t, params_before)})
         params_before = rank0["data"][t]
     cell = Cell("fuzz", impl, spec.world_size, spec.data_mode, spec.steps, impl_name=adapter.name)
     return {"format": FORMAT, "cell": cell.to_json(), "optimizer": spec.optimizer.kind,
             "world_size": spec.world_size, "layouts": {},
             "padding": {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
-            "init": {"params": rank0["init"]}, "steps": steps}
+            "init": {"params": rank0["init"], "buffers": buffers}, "steps": steps}
 
 
 def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[dict],
                       init: dict[str, torch.Tensor], reference: _Reference | None = None) -> dict:
     reference = reference or _Reference(spec, init)
+    buffers = _no_buffers(reference, spec.world_size)
     rank_layouts = [json.loads(r["layouts"]) for r in replies]
     name_layouts = rank_layouts[0]["names"]
 
@@ -156,14 +167,14 @@ def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[di
                       "grads": full(shard_grads), "params": params, "shards": shards,
                       "shard_grads": shard_grads, "padding_intervals": padding_intervals,
                       # Full tensors are assembled from one set of shards here: no replicas to compare.
-                      "replicas": None,
+                      "replicas": None, "buffers": buffers,
                       "shadow": reference.step(t, params_before)})
         params_before = params
     cell = Cell("fuzz", "ours", spec.world_size, spec.data_mode, spec.steps, faults=tuple(sorted(faults)))
     return {"format": FORMAT, "cell": cell.to_json(), "optimizer": spec.optimizer.kind,
             "world_size": spec.world_size, "layouts": name_layouts,
             "padding": {"params": Ours.param_padding.value, "grads": Ours.grad_padding.value},
-            "init": {"params": init_params}, "steps": steps}
+            "init": {"params": init_params, "buffers": buffers}, "steps": steps}
 
 
 def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = (), impl: str = "ours") -> ExampleResult:

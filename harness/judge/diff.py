@@ -6,6 +6,8 @@ a NaN can never compare as "not greater"):
 - nonfinite: any non-finite loss, gradient or parameter of the cell (first occurrence named);
 - init: the initial parameters equal the reference state exactly;
 - loss: each rank's local loss equals the shadow's replay of that rank's local computation exactly;
+- buffers: every rank's module buffers right after wrapping are the reference model's bitwise, and
+  after every step they are bitwise what the replay's forward made of them ([Note: Buffers]);
 - grad: the averaged gradient within the reduction bound of the exact mean of the local terms;
 - param: the parameters within that bound pushed through the optimizer (frozen ones exact);
 - bias: per gradient, the signs of its differences from the exact mean are fair coins (honest
@@ -29,11 +31,12 @@ import torch
 from cases.catalog import Case, get_case
 from cases.features import DTYPES
 from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, sign_counts
+from harness.run.snapshot import digest
 from harness.judge.tolerance import (BIAS_FALSE_ALARM, MAX_MEDIAN_RELATIVE_TOLERANCE, TRAJECTORY_FACTOR,
                                OptimizerErrorState, ReductionModel, clip_coefficient_error, sign_test_threshold,
                                unit_roundoff)
 
-CHECK_ORDER = ("nonfinite", "init", "loss", "grad", "param", "bias", "replicas", "padding", "trajectory")
+CHECK_ORDER = ("nonfinite", "init", "loss", "buffers", "grad", "param", "bias", "replicas", "padding", "trajectory")
 BOUNDED = ("grad", "param", "trajectory")  # a worst-case bound or an envelope: honest margins stay below 1 (docs/error_model.md)
 JUDGED = ("grad", "param", "bias", "trajectory")  # the checks with a non-zero tolerance (bias: a sign test)
 
@@ -130,6 +133,13 @@ class Violation:
         if self.check == "replicas":
             return (f"{cell_id} optimizer={self.optimizer} step={self.step} replicas: {where}: rank {self.rank}'s "
                     f"full tensor differs bitwise from the other ranks' (replicas must be identical)")
+        if self.check == "buffers":
+            what = ("the reference model's as built" if self.step == 0
+                    else "what the replay's forward made of the buffers before the step")
+            values = ("" if self.index is None else
+                      f": actual={self.actual!r} expected={self.expected!r} ({self.num_violating} element(s) differ)")
+            return (f"{cell_id} optimizer={self.optimizer} step={self.step} buffers: buffer {where} on rank "
+                    f"{self.rank} differs bitwise from {what}{values}")
         if self.check == "bias":
             count = round(self.actual * self.num_violating)
             return (f"{cell_id} optimizer={self.optimizer} step={self.step} bias: {where}: {count} of its "
@@ -238,6 +248,80 @@ def _nonfinite_segments(tensors: list[torch.Tensor]) -> list[int]:
     if bool(finite.all()):
         return []
     return [s for s, n in enumerate(seg.counts(~finite)) if n]
+
+
+# [Note: Buffers]
+# Module buffers (BatchNorm running statistics and its batch counter, RoPE tables, masks) are not
+# parameters: no gradient, no optimizer, not sharded; every rank holds them whole and the forward
+# may update them in place. Training-mode BatchNorm never reads its running statistics, so no loss,
+# gradient or parameter check sees them. They are judged exactly, with no tolerance:
+# - after wrapping (step 0), every rank's buffers are the reference model's as built, bitwise;
+# - after step t, rank 0's are bitwise what the plain model's forward passes of this step (the
+#   shadow's replay, from the cell's own parameters and rank 0's buffers before the step) made of
+#   them. Exact for the reason the loss check is: the same operations on the same bits.
+# - every other rank: identical data means it ran rank 0's forward, so its buffers are rank 0's
+#   expected ones bitwise; with split data a rank's running statistics are its own batch's by
+#   design (harness/run/worker.py records rank 0's only), so it is held to them only where the
+#   step's replay left a buffer unchanged (a constant: a table, a mask).
+# Buffers are compared by their bits (a NaN where the reference has one is equal; -0.0 and 0.0
+# are not), each rank through a 52-bit digest of its bytes (harness/run/snapshot.py `digest`).
+
+
+def _first_bit_difference(actual: torch.Tensor, expected: torch.Tensor) -> int | None:
+    """The first element whose bits differ (None: bitwise equal); a shape or dtype mismatch is element 0."""
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return 0
+    a = actual.detach().contiguous().reshape(-1)
+    e = expected.detach().contiguous().reshape(-1)
+    if a.numel() == 0:
+        return None
+    width = a.element_size()
+    differs = (a.view(torch.uint8).view(-1, width) != e.view(torch.uint8).view(-1, width)).any(dim=1)
+    return int(differs.nonzero()[0].item()) if bool(differs.any()) else None
+
+
+def _item(t: torch.Tensor, index: int) -> float:
+    value = t.reshape(-1)[index].item() if t.numel() > index else float("nan")
+    return float(value)
+
+
+def buffer_violations(kind: str, step: int, evidence: dict, expected: dict[str, torch.Tensor],
+                      every_rank: set[str] | None, stats: CheckStats) -> list[Violation]:
+    """The buffers check of one step (step 0: after wrapping). `evidence`: {"values": rank 0's
+    buffers, "digests": (W, buffers) every rank's}; `expected`: the reference's buffers; every
+    rank is held to them for the names in `every_rank` (None: all), rank 0 for every name."""
+    values, digests = evidence["values"], evidence["digests"]
+    names = list(values)
+    missing = sorted(set(expected) ^ set(names))
+    if missing:
+        raise ValueError(f"step {step}: buffers {missing[:4]} are in only one of cell and reference")
+    if tuple(digests.shape[1:]) != (len(names),):
+        raise ValueError(f"step {step}: {digests.shape[1] if digests.dim() == 2 else '?'} buffer digests per rank "
+                         f"for {len(names)} buffers")
+    out = []
+    columns = digests.t().tolist()
+    for j, name in enumerate(names):
+        actual, want = values[name], expected[name]
+        index = _first_bit_difference(actual, want)
+        stats.add(actual.numel(), 0.0 if index is None else float("inf"))
+        if index is not None:
+            num = (actual.numel() if actual.shape != want.shape or actual.dtype != want.dtype else
+                   int((actual.reshape(-1).double() != want.reshape(-1).double()).sum().item()) or 1)
+            a, e = _item(actual, index), _item(want, index)
+            out.append(Violation(kind, step, "buffers", name, float("inf"), abs(a - e) if a == a and e == e else float("nan"),
+                                 0.0, a, e, index, _coords(actual.shape, index) if actual.dim() else None, 0,
+                                 num_violating=num))
+        if every_rank is not None and name not in every_rank:
+            continue
+        want_digest = digest(want)
+        for r, d in enumerate(columns[j]):
+            if r == 0:
+                continue  # rank 0: its full buffer, compared above
+            stats.add(1, 0.0 if d == want_digest else float("inf"))
+            if d != want_digest:
+                out.append(Violation(kind, step, "buffers", name, float("inf"), float("nan"), 0.0, float("nan"),
+                                     float("nan"), rank=r))
+    return out
 
 
 def _require_finite(what: str, step: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -402,11 +486,12 @@ def _group_tensors(sub: Segments, dicts: list[dict[str, torch.Tensor]]) -> dict[
 
 
 def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | None,
-                   case: Case | None = None) -> OptimizerResult:
+                   case: Case | None = None, init_buffers: dict[str, torch.Tensor] | None = None) -> OptimizerResult:
     """All checks of one (cell, optimizer) snapshot. `init_state` is the reference initial state
-    every rank loaded; `ref` the reference run's snapshot (None: no trajectory check, as for the
-    fuzzer's drawn models, which have no free-running reference); `case` the cell's case when it is
-    not in the catalog. Raises ReferenceDiverged when the reference is not finite, ValueError when
+    every rank loaded, `init_buffers` the reference model's buffers as built (None: it has none);
+    `ref` the reference run's snapshot (None: no trajectory check, as for the fuzzer's drawn
+    models, which have no free-running reference); `case` the cell's case when it is not in the
+    catalog. Raises ReferenceDiverged when the reference is not finite, ValueError when
     the evidence is inconsistent (missing steps, shapes). Each check runs on one flat tensor per
     step ([Note: Batched checks])."""
     cell = snap["cell"]
@@ -477,6 +562,8 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                       torch.zeros(seg.total, dtype=torch.float64), layouts)
     for pair in zip(nonfinite(0, init_names, init_params, layouts), init_viol):
         viol.extend(v for v in pair if v)
+    buffers_before = snap["init"]["buffers"]["values"]
+    viol.extend(buffer_violations(kind, 0, snap["init"]["buffers"], init_buffers or {}, None, stats["buffers"]))
 
     steps = snap["steps"]
     ref_steps = ref["steps"] if ref is not None else None
@@ -549,6 +636,15 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             if not d == 0:
                 viol.append(Violation(kind, step, "loss", "<loss>", float("inf"), d, 0.0, loss_values[r],
                                       expected_values[r], rank=r))
+
+        # buffers: rank 0's are the replay's bitwise; the other ranks' too with identical data, and
+        # with split data where the replay left a buffer as it was ([Note: Buffers])
+        every_rank = None
+        if cell["data_mode"] == "split":
+            every_rank = {n for n, b in shadow["buffers"].items()
+                          if n in buffers_before and _first_bit_difference(b, buffers_before[n]) is None}
+        viol.extend(buffer_violations(kind, step, rec["buffers"], shadow["buffers"], every_rank, stats["buffers"]))
+        buffers_before = rec["buffers"]["values"]
 
         # grad: within the reduction bound of the exact mean of the local terms; param: that bound
         # through clipping and the optimizer

@@ -66,17 +66,30 @@ def _local_loss(model: nn.Module, loss_fn, inputs, targets) -> torch.Tensor:
     return loss
 
 
+def load_nonpersistent_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Copy the buffers a state_dict leaves out (registered with persistent=False) from `buffers`,
+    the reference model's as built (harness/run/snapshot.py `load_buffers`)."""
+    persistent = set(model.state_dict())
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name not in persistent and name in buffers:
+                b.copy_(buffers[name])
+
+
 class Shadow:
     """The plain model and optimizer, stepped each step from the cell's own previous parameters."""
 
     def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
-                 device: torch.device = torch.device("cpu"), num_micro: int | None = None) -> None:
+                 device: torch.device = torch.device("cpu"), num_micro: int | None = None,
+                 init_buffers: dict[str, torch.Tensor] | None = None) -> None:
         self.case = case
         features = case.features
         plain = case.build_model()
         plain.load_state_dict(init_state)
+        load_nonpersistent_buffers(plain, init_buffers or {})
         plain.to(device)
         self.params = dict(plain.named_parameters())
+        self.buffers = dict(plain.named_buffers())
         self.plain = plain
         # Tied parameters: every use beyond the first, by name. Their gradient is a sum over uses
         # that an implementation may associate differently (across micro-batches, say), so each
@@ -118,21 +131,39 @@ class Shadow:
                     leaf.grad = None
 
         losses = []
+        # Each rank's forward starts from the buffers as they were before the step (a rank updates
+        # its own running statistics); rank 0's are what the model holds afterwards.
+        before = {n: b.detach().clone() for n, b in self.buffers.items()} if len(ranks) > 1 else {}
+        after_rank0: dict[str, torch.Tensor] = {}
         try:
             for rank in ranks:
+                if rank > 0:
+                    self._set_buffers(before)
                 inputs, targets = map_tensors(lambda t: t.to(self.device), local_batch(batch, data_mode, rank, world_size))
                 for leaves in uses.values():
                     for leaf in leaves:
                         leaf.grad = None
                 losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
                                                after_micro=harvest))
+                if rank == 0 and before:
+                    after_rank0 = {n: b.detach().clone() for n, b in self.buffers.items()}
         finally:
             self._retie()
+        if after_rank0:
+            self._set_buffers(after_rank0)
         if data_mode == "identical":
             # Every rank computed this same local term: their mean is it, sum |term| / W is |it|.
             return torch.stack(losses * world_size), grad_sum, abs_sum
         return (torch.stack(losses), {n: s / world_size for n, s in grad_sum.items()},
                 {n: s / world_size for n, s in abs_sum.items()})
+
+    def _set_buffers(self, values: dict[str, torch.Tensor]) -> None:
+        missing = sorted(set(self.buffers) - set(values))
+        if missing:
+            raise ValueError(f"buffers {missing[:4]} of the plain model are missing from the cell's buffers")
+        with torch.no_grad():
+            for name, b in self.buffers.items():
+                b.copy_(values[name])
 
     def _untie(self) -> dict[str, list[torch.Tensor]]:
         """Give every extra use of a tied parameter a leaf of its own (same values, so the same
@@ -159,13 +190,19 @@ class Shadow:
                 for name in self.params}
 
     def step(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
-             perturb: torch.Generator | None = None) -> dict:
+             perturb: torch.Generator | None = None, buffers_before: dict[str, torch.Tensor] | None = None) -> dict:
+        """One step replayed from the cell's parameters (and buffers, when given; else the shadow's
+        own) before it; "buffers" in the result are rank 0's after its forward passes."""
         with torch.no_grad():
             for name, p in self.params.items():
                 p.copy_(params_before[name])
+        if buffers_before is not None:
+            self._set_buffers(buffers_before)
         losses, grads, abs_grads = self._terms(batch, data_mode, world_size, self.num_micro)
+        buffers = {n: b.detach().cpu().clone() for n, b in self.buffers.items()}
         if perturb is not None:
             self._perturb(grads, batch, perturb)
+            self._set_buffers(buffers)  # the per-sample passes moved them
         for name, p in self.params.items():
             p.grad = grads[name].to(p.dtype) if name in grads else None
         if self.clip is not None:
@@ -180,6 +217,7 @@ class Shadow:
             "abs_grads": {n: a.cpu() for n, a in abs_grads.items()},
             "num_terms": {n: k for n, k in self.num_terms(world_size).items() if n in grads},
             "params": {n: p.detach().cpu().clone() for n, p in self.params.items()},
+            "buffers": buffers,
             "hyper": hyper,
             "state": {
                 n: {k: v.detach().cpu().clone() for k, v in self.optim.state[p].items() if isinstance(v, torch.Tensor)}
@@ -200,7 +238,13 @@ class Shadow:
         between this whole-batch gradient and the mean of the per-sample ones: the local computation
         on another batch size (docs/error_model.md, "Trajectories")."""
         num_samples = batch_size(batch)
-        _, per_sample_mean, per_sample_abs = self._terms(batch, "split", num_samples, 1)
+        if "split" in self.case.data_modes:
+            _, per_sample_mean, per_sample_abs = self._terms(batch, "split", num_samples, 1)
+        else:
+            # Identical data only (a model coupling its samples, as BatchNorm does, where a sample
+            # alone is no term of the batch's gradient): every rank computes the whole batch, so
+            # the honest error is the reduction of equal terms, bounded as B of them.
+            per_sample_mean, per_sample_abs = grads, {n: g.abs() for n, g in grads.items()}
         features = self.case.features
         precision = ReductionModel.for_cell(1, self.num_micro, features.compute_dtype,
                                             DTYPES[features.reduce_dtype] if features.reduce_dtype else None)

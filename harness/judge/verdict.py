@@ -19,10 +19,11 @@ import torch
 from cases.catalog import get_case
 from harness.judge.diff import DiffStats, OptimizerResult, ReferenceDiverged, Violation, check_snapshot, flat
 from harness.judge.layouts import LayoutError, check_layouts, parameter_names
-from harness.run.evidence import EvidenceError, check_same_steps, check_snapshot_evidence, model_parameters
+from harness.run.evidence import (EvidenceError, check_same_steps, check_snapshot_evidence, model_buffers,
+                                  model_parameters)
 from harness.run.outcome import RunOutcome
 from harness.run.plan import Cell, RunPlan
-from harness.run.snapshot import load_snapshot, load_state, snapshot_path
+from harness.run.snapshot import load_buffers, load_snapshot, load_state, snapshot_path
 
 
 class Verdict(str, enum.Enum):
@@ -130,14 +131,14 @@ class Judge:
         if self._inputs is None:
             plan = self.plan
             case_names = sorted({c.case for c in plan.cells + plan.references})
-            init_states: dict[str, dict | str] = {}  # a state, or why there is none
+            init_states: dict[str, tuple[dict, dict] | str] = {}  # (state, buffers), or why there is none
             for name in case_names:
                 path = plan.init_dir / f"{get_case(name).name}.pt"
                 try:
-                    init_states[name] = load_state(path, plan.run_id)
+                    init_states[name] = load_state(path, plan.run_id), load_buffers(path, plan.run_id)
                 except Exception as e:
                     init_states[name] = f"initial state {path} unusable: {type(e).__name__}: {e}"
-            parameters = {name: model_parameters(name) for name in case_names}
+            parameters = {name: (*model_parameters(name), model_buffers(name)) for name in case_names}
             layout_names = {name: parameter_names(get_case(name).build_model()) for name in case_names}
             self._inputs = init_states, parameters, layout_names
         return self._inputs
@@ -160,9 +161,9 @@ class Judge:
             snap = load_snapshot(path)
         except Exception as e:
             raise EvidenceError(f"snapshot {path} unreadable: {type(e).__name__}: {e}") from None
-        sizes, grad_names = parameters[cell.case]
+        sizes, grad_names, buffer_sizes = parameters[cell.case]
         try:
-            check_snapshot_evidence(snap, cell, kind, plan.run_id, sizes, grad_names)
+            check_snapshot_evidence(snap, cell, kind, plan.run_id, sizes, grad_names, buffer_sizes)
         except EvidenceError as e:
             raise EvidenceError(f"snapshot {path}: {e}") from None
         try:
@@ -174,9 +175,10 @@ class Judge:
     def judge(self, cell: Cell, snapshots: dict) -> tuple[CellResult, dict | None]:
         """(the cell's result, its evidence by optimizer when it was judged pass or fail) against
         the reference evidence in `snapshots`."""
-        init_state = self.inputs()[0][cell.case]
-        if isinstance(init_state, str):
-            return CellResult(cell, Verdict.ERROR, error=init_state), None
+        init = self.inputs()[0][cell.case]
+        if isinstance(init, str):
+            return CellResult(cell, Verdict.ERROR, error=init), None
+        init_state, init_buffers = init
         case = get_case(cell.case)
         ref_cell = self._reference_of(cell)
         loaded = {}
@@ -193,8 +195,13 @@ class Judge:
         result = CellResult(cell, Verdict.PASS)
         for kind, snap in loaded.items():
             ref = snapshots.get((ref_cell.cell_id, kind))
+            if ref is None and not cell.is_reference:
+                return CellResult(cell, Verdict.ERROR, error=(
+                    f"optimizer={kind}: the reference {ref_cell.cell_id} left no usable evidence (see its row), so "
+                    f"the trajectory check cannot run: no verdict")), None
             try:
-                opt = check_snapshot(snap, {n: init_state[n] for n in snap["init"]["params"]}, ref)
+                opt = check_snapshot(snap, {n: init_state[n] for n in snap["init"]["params"]}, ref,
+                                     init_buffers=init_buffers)
             except ReferenceDiverged as e:
                 return CellResult(cell, Verdict.ERROR, error=f"optimizer={kind}: {e}"), None
             except Exception:

@@ -21,6 +21,22 @@ def model_parameters(case_name: str) -> tuple[dict[str, torch.Size], list[str]]:
     return {n: p.shape for n, p in params}, [n for n, p in params if p.requires_grad]
 
 
+def model_buffers(case_name: str) -> dict[str, torch.Size]:
+    """name -> size of every buffer of the case's plain model, persistent or not."""
+    return {n: b.shape for n, b in get_case(case_name).build_model().named_buffers()}
+
+
+def _buffers(what: str, evidence, sizes: dict[str, torch.Size], world_size: int) -> None:
+    """{"values": {name: tensor} (rank 0's), "digests": (W, len(values)) every rank's}."""
+    if not isinstance(evidence, dict) or not isinstance(evidence.get("digests"), torch.Tensor):
+        raise EvidenceError(f"{what} buffers are missing (the adapter's full_buffers and every rank's digests)")
+    _names(f"{what} buffers", evidence.get("values"), list(sizes))
+    _shapes(f"{what} buffer", evidence["values"], sizes)
+    if tuple(evidence["digests"].shape) != (world_size, len(sizes)):
+        raise EvidenceError(f"{what} buffer digests are {tuple(evidence['digests'].shape)}, expected one per rank and "
+                            f"buffer ({world_size}, {len(sizes)})")
+
+
 def _names(what: str, got, expected: list[str]) -> None:
     if not isinstance(got, dict):
         raise EvidenceError(f"{what} is {type(got).__name__}, not a dict of named tensors")
@@ -38,9 +54,11 @@ def _shapes(what: str, tensors: dict, sizes: dict[str, torch.Size]) -> None:
 
 
 def check_snapshot_evidence(snap: dict, cell: Cell, optimizer: str, run_id: str,
-                            sizes: dict[str, torch.Size], grad_names: list[str]) -> None:
+                            sizes: dict[str, torch.Size], grad_names: list[str],
+                            buffer_sizes: dict[str, torch.Size]) -> None:
     """Raise EvidenceError unless `snap` is this run's complete evidence for (cell, optimizer):
-    `sizes` are the case model's parameters (name -> size), `grad_names` the trainable ones."""
+    `sizes` are the case model's parameters (name -> size), `grad_names` the trainable ones,
+    `buffer_sizes` its buffers."""
     if not isinstance(snap, dict):
         raise EvidenceError(f"the snapshot is a {type(snap).__name__}, not a dict")
     if snap.get("run_id") != run_id:
@@ -59,6 +77,7 @@ def check_snapshot_evidence(snap: dict, cell: Cell, optimizer: str, run_id: str,
     init = snap.get("init")
     _names("initial parameters", init.get("params") if isinstance(init, dict) else None, names)
     _shapes("initial parameter", init["params"], sizes)
+    _buffers("initial", init.get("buffers"), buffer_sizes, cell.world_size)
     steps = snap.get("steps")
     if not isinstance(steps, list):
         raise EvidenceError(f"steps is {type(steps).__name__}, not a list")
@@ -78,6 +97,8 @@ def check_snapshot_evidence(snap: dict, cell: Cell, optimizer: str, run_id: str,
         for key in ("shards", "shard_grads", "padding_intervals", "shadow", "replicas"):
             if not isinstance(rec.get(key), dict):
                 raise EvidenceError(f"step {step}: {key} is missing")
+        _buffers(f"step {step}:", rec.get("buffers"), buffer_sizes, cell.world_size)
+        _names(f"step {step}: the replay's buffers", rec["shadow"].get("buffers"), list(buffer_sizes))
 
 
 def check_same_steps(snap: dict, ref: dict, ref_cell: Cell) -> None:

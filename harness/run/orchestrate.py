@@ -44,13 +44,14 @@ from harness.run.snapshot import complete_path, save_state
 
 
 def write_init_states(plan: RunPlan) -> None:
-    """One reference initial state per case; every world size and impl loads this same state."""
+    """One reference initial state per case; every world size and impl loads this same state (and
+    the model's buffers as built, non-persistent ones included: the reference of the buffers check)."""
     for case_name in sorted({c.case for c in plan.cells + plan.references}):
         case = get_case(case_name)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(case.seed)
             model = case.build_model()
-        save_state(plan.init_dir / f"{case.name}.pt", model.state_dict(), plan.run_id)
+        save_state(plan.init_dir / f"{case.name}.pt", model.state_dict(), plan.run_id, dict(model.named_buffers()))
 
 
 def _completion_record(plan: RunPlan, cell: Cell) -> dict | None:

@@ -37,6 +37,7 @@ trajectory envelope.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -183,20 +184,38 @@ def load_snapshot(path: Path) -> dict:
     return snapshot
 
 
-def save_state(path: Path, state: dict[str, torch.Tensor], run_id: str) -> None:
-    """The reference initial state of one case, stamped with the run that wrote it."""
-    payload = {"format": INIT_FORMAT, "run_id": run_id, "state": {k: v.detach().clone() for k, v in state.items()}}
+def save_state(path: Path, state: dict[str, torch.Tensor], run_id: str,
+               buffers: dict[str, torch.Tensor] | None = None) -> None:
+    """The reference initial state of one case (its state_dict), and every buffer of the model,
+    non-persistent ones included (a state_dict leaves those out), stamped with the run that wrote it."""
+    payload = {"format": INIT_FORMAT, "run_id": run_id, "state": {k: v.detach().clone() for k, v in state.items()},
+               "buffers": {k: v.detach().clone() for k, v in (buffers or {}).items()}}
     write_atomic_bytes(path, lambda f: torch.save(payload, f))
 
 
-def load_state(path: Path, run_id: str) -> dict[str, torch.Tensor]:
-    """The state saved by `save_state` of run `run_id`; ValueError for anything else."""
+def _load_init(path: Path, run_id: str, key: str) -> dict[str, torch.Tensor]:
     payload = torch.load(path, weights_only=True, map_location="cpu")
     if not isinstance(payload, dict) or payload.get("format") != INIT_FORMAT:
         raise ValueError(f"{path}: not a {INIT_FORMAT} initial state")
     if payload.get("run_id") != run_id:
         raise ValueError(f"{path}: written by run {payload.get('run_id')!r}, not by this run {run_id!r}")
-    state = payload.get("state")
+    state = payload.get(key)
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise ValueError(f"{path}: its state is not a dict of named tensors")
+        raise ValueError(f"{path}: its {key} is not a dict of named tensors")
     return state
+
+
+def load_state(path: Path, run_id: str) -> dict[str, torch.Tensor]:
+    """The state saved by `save_state` of run `run_id`; ValueError for anything else."""
+    return _load_init(path, run_id, "state")
+
+
+def load_buffers(path: Path, run_id: str) -> dict[str, torch.Tensor]:
+    """Every buffer of the reference model as `save_state` of run `run_id` saved it."""
+    return _load_init(path, run_id, "buffers")
+
+
+def digest(t: torch.Tensor) -> int:
+    """A 52-bit digest of a tensor's bytes (exact in float64): equal digests, equal bits."""
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 52) - 1)

@@ -8,7 +8,6 @@ variables it reads are torchrun's own (RANK, WORLD_SIZE, MASTER_*).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -30,8 +29,9 @@ from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
 from harness.run.plan import Cell
 from harness.run.rank import rank_prologue
-from harness.judge.shadow import Shadow
-from harness.run.snapshot import FORMAT, complete_path, load_state, save_snapshot, snapshot_path, write_atomic_text
+from harness.judge.shadow import Shadow, load_nonpersistent_buffers
+from harness.run.snapshot import (FORMAT, complete_path, digest, load_buffers, load_state, save_snapshot, snapshot_path,
+                                  write_atomic_text)
 from harness.judge.tolerance import NUM_PERTURBED_RUNS
 
 
@@ -106,15 +106,16 @@ def _check_refused_wrap(case: Case, adapter: Adapter, ctx: RankContext) -> None:
                        f"units was accepted; a parameter tied across units must be refused")
 
 
-def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, init_state,
+def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, init_state, init_buffers,
                    wrap_paths: tuple[str, ...]) -> nn.Module:
     features = case.features
-    if features.meta_init:
+    if features.meta_init:  # buffers too are the implementation's to materialise
         with torch.device("meta"):
             model = case.build_model()
     else:
         model = case.build_model()
         model.load_state_dict(init_state)
+        load_nonpersistent_buffers(model, init_buffers)
         model.to(ctx.device)
     apply_activation_checkpointing(model, features.activation_checkpointing)
     wrapped = adapter.wrap(model, wrap_paths, ctx)
@@ -159,14 +160,8 @@ def _make_optimizer(adapter: Adapter, wrapped: nn.Module, spec: OptimizerSpec, c
         raise RuntimeError(f"rank {ctx.rank}: impl={cell.impl} case={case.name}: {e}") from None
 
 
-def digest(t: torch.Tensor) -> int:
-    """A 52-bit digest of a tensor's bytes (exact in float64): equal digests, equal bits."""
-    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 52) - 1)
-
-
 def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], world: RankContext,
-             scratch_dir: Path) -> dict | None:
+             scratch_dir: Path, init_buffers: dict[str, torch.Tensor] | None = None) -> dict | None:
     case = get_case(cell.case)
     features = case.features
     adapter: Adapter = dist_faults.planted(resolve_impl(cell.impl), cell.faults)  # collective faults, if any
@@ -177,17 +172,23 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     plain = case.build_model()
     names = [n for n, _ in plain.named_parameters()]
     grad_names = [n for n, p in plain.named_parameters() if p.requires_grad]
+    buffer_names = [n for n, _ in plain.named_buffers()]
+    init_buffers = init_buffers if init_buffers is not None else dict(plain.named_buffers())
     wrap_paths = case.wrap_paths(plain)
-    wrapped: nn.Module = _build_wrapped(case, adapter, ctx, init_state, wrap_paths)
+    wrapped: nn.Module = _build_wrapped(case, adapter, ctx, init_state, init_buffers, wrap_paths)
     optim = _make_optimizer(adapter, wrapped, spec, case, ctx, cell, set(names))
     scheduler = spec.build_scheduler(optim)
     is_writer = world.rank == 0
-    shadow = Shadow(case, spec, init_state, ctx.device) if is_writer else None
+    shadow = Shadow(case, spec, init_state, ctx.device, init_buffers=init_buffers) if is_writer else None
     reshard_steps = features.checkpoint_reshard_at if adapter.reshards_checkpoints else ()
 
     layouts = adapter.layouts(wrapped)  # after make_optimizer: an engine may shard only then
     init_params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
-    steps, params_before = [], init_params
+    # Buffers are whole on every rank: rank 0's recorded, every rank's digested ([Note: Buffers]).
+    init_bufs = _pick(adapter.full_buffers(wrapped), buffer_names, "full_buffers", ctx, cell)
+    pending_digests = [digest(init_bufs[n]) for n in buffer_names]  # gathered with step 1's evidence
+    steps, params_before, buffers_before = [], init_params, init_bufs
+    init_buffer_digests = None  # (W, buffers): set from step 1's gather
     for step in range(1, cell.steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = map_tensors(lambda t: t.to(ctx.device),
@@ -199,18 +200,29 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         if scheduler is not None:
             scheduler.step()
         params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
-        # Every rank's full parameters and gradients, digested: replicas must agree bitwise.
-        digests = [digest(params[n]) for n in names] + [digest(grads[n]) for n in grad_names]
-        losses, replica_digests, shards, shard_grads, padding_intervals = _gather_step_evidence(
+        buffers = _pick(adapter.full_buffers(wrapped), buffer_names, "full_buffers", ctx, cell)
+        # Every rank's full parameters and gradients, digested: replicas must agree bitwise; and
+        # every rank's buffers (before step 1 too), judged against the replay.
+        digests = ([digest(params[n]) for n in names] + [digest(grads[n]) for n in grad_names]
+                   + [digest(buffers[n]) for n in buffer_names] + pending_digests)
+        losses, all_digests, shards, shard_grads, padding_intervals = _gather_step_evidence(
             loss, adapter.raw_shards(wrapped), digests, ctx)
+        num_replicas = len(names) + len(grad_names)
+        replica_digests = all_digests[:, :num_replicas]
+        buffer_digests = all_digests[:, num_replicas:num_replicas + len(buffer_names)]
+        if step == 1:
+            init_buffer_digests = all_digests[:, num_replicas + len(buffer_names):]
+            pending_digests = []
         record = {"step": step, "loss": losses, "grads": grads, "params": params, "shards": shards,
                   "layouts": adapter.layouts(wrapped),
                   "shard_grads": shard_grads, "padding_intervals": padding_intervals,
-                  "replicas": {"names": names + [f"{n} (grad)" for n in grad_names], "digests": replica_digests}}
+                  "replicas": {"names": names + [f"{n} (grad)" for n in grad_names], "digests": replica_digests},
+                  "buffers": {"values": buffers, "digests": buffer_digests}}
         if shadow is not None:
-            record["shadow"] = shadow.step(params_before, batch, cell.data_mode, ctx.world_size)
+            record["shadow"] = shadow.step(params_before, batch, cell.data_mode, ctx.world_size,
+                                           buffers_before=buffers_before)
         steps.append(record)
-        params_before = params
+        params_before, buffers_before = params, buffers
         if step in reshard_steps:
             shard_size = max(1, ctx.world_size // 2 ** (reshard_steps.index(step) + 1))
             directory = scratch_dir / f"{cell.cell_id}.{spec.kind}.step{step}"
@@ -229,20 +241,23 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         "world_size": ctx.world_size,
         "layouts": layouts,
         "padding": {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
-        "init": {"params": init_params},
+        "init": {"params": init_params,
+                 "buffers": {"values": init_bufs,
+                             "digests": init_buffer_digests}},
         "steps": steps,
     }
     if cell.is_reference:
-        snapshot["perturbed"] = [perturbed_run(case, spec, init_state, cell.steps, seed, ctx.device)
+        snapshot["perturbed"] = [perturbed_run(case, spec, init_state, cell.steps, seed, ctx.device, init_buffers)
                                  for seed in range(1, NUM_PERTURBED_RUNS + 1)]
     return snapshot
 
 
 def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], num_steps: int,
-                  seed: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+                  seed: int, device: torch.device,
+                  init_buffers: dict[str, torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
     """The reference run with honest-sized noise added to every step's gradient: its deviation
     from the reference is the envelope the trajectory check scales (docs/error_model.md)."""
-    shadow = Shadow(case, spec, init_state, device)
+    shadow = Shadow(case, spec, init_state, device, init_buffers=init_buffers)
     generator = torch.Generator().manual_seed(seed)
     params = {n: p.detach().cpu().clone() for n, p in shadow.params.items()}
     out = []
@@ -305,11 +320,12 @@ def main(argv: list[str]) -> int:
             continue  # this rank sits this world size out
         case = get_case(cell.case)
         init_state = load_state(init_dir / f"{case.name}.pt", run_id)
+        init_buffers = load_buffers(init_dir / f"{case.name}.pt", run_id)
         start = time.perf_counter()
         for spec in case.optimizers:
             if not resolve_impl(cell.impl).needs_process_group and ctx.rank != 0:
                 continue  # a single-process cell (the reference) runs on rank 0 alone
-            snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch")
+            snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers)
             if snapshot is not None:
                 snapshot["run_id"] = run_id
                 save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
