@@ -9,7 +9,9 @@ accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is 
                               "aligned_numel", "world_size"} | {"kind": "dim0", "rows", "chunk_rows", "world_size"}
                              | {"kind": "replicated"}},   # right after wrapping; validated: harness/judge/layouts.py
      "padding": {"params": "zero" | "unspecified", "grads": ...},  # the adapter's declared convention
-     "init": {"params": {name: tensor}},             # full parameters right after wrapping
+     "init": {"params": {name: tensor},              # full parameters right after wrapping
+              "buffers": {"values": {name: tensor},   # rank 0's module buffers right after wrapping
+                          "digests": (W, len(values)) int64}},  # every rank's, 52-bit digest each
      "steps": [{"step": t (1-based),
                 "loss": (W,) tensor,                   # each rank's local loss
                 "grads": {name: tensor},               # full averaged gradients, before the step
@@ -20,10 +22,12 @@ accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is 
                 "layouts": {...},                      # as above, this step's (resharding changes them)
                 "replicas": {"names": [param names, then "<name> (grad)"],
                              "digests": (W, len(names)) int64},  # 52-bit digest per rank
+                "buffers": {"values": {...}, "digests": (W, ...)},  # as in init, after the step
                 "shadow": {"loss": (W,) tensor,              # each rank's replayed local loss
                            "grads": {...} float64,           # exact mean of the local terms
                            "abs_grads": {...} float64,       # sum |local term| / W
-                           "params": {...}, "state": {name: {state key: tensor}}}}],
+                           "params": {...}, "state": {name: {state key: tensor}},
+                           "buffers": {...}}}],                # rank 0's buffers after the replay
      "perturbed": [[{name: tensor} per step] per run]}  # reference cells only
 
 On disk ([Note: Snapshot encoding]) the containers are one JSON text and the tensors a few flat
@@ -47,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "fsdp-equiv-snapshot/2"  # /2: [Note: Snapshot encoding]
+FORMAT = "fsdp-equiv-snapshot/3"  # /2: [Note: Snapshot encoding]; /3: buffers
 INIT_FORMAT = "fsdp-equiv-init/1"  # {"format", "run_id", "state": {name: tensor}}
 
 
