@@ -20,7 +20,7 @@ from harness.judge.layouts import assemble_flat
 from harness.fuzz.pool import ExampleError, RankPool
 from harness.fuzz.spec import ModelSpec, as_case, init_state
 from harness.run.plan import Cell
-from harness.run.snapshot import FORMAT
+from harness.run.snapshot import Buffers, Snapshot, StepRecord
 from harness.judge.shadow import Shadow
 
 
@@ -111,13 +111,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
-def _no_buffers(reference: _Reference, world_size: int) -> dict:
+def _no_buffers(reference: _Reference, world_size: int) -> Buffers:
     """The buffers evidence of a drawn model, which has none (harness/fuzz/spec.py builds only
     parameters); a model with buffers would need the ranks to report them."""
     if reference.shadow.buffers:
         raise ValueError(f"drawn model has buffers {sorted(reference.shadow.buffers)[:4]}: the fuzz worker does not "
                          f"report buffers")
-    return {"values": {}, "digests": torch.zeros(world_size, 0, dtype=torch.long)}
+    return Buffers.none(world_size)
 
 
 def assemble_full_snapshot(spec: ModelSpec, impl: str, replies: list[dict], init: dict[str, torch.Tensor],
@@ -128,16 +128,13 @@ def assemble_full_snapshot(spec: ModelSpec, impl: str, replies: list[dict], init
     adapter = resolve_impl(impl)
     steps, params_before, rank0 = [], replies[0]["init"], replies[0]
     for t in range(spec.steps):
-        steps.append({"step": t + 1, "loss": torch.stack([r["loss"][t] for r in replies]),
-                      "grads": rank0["grads"][t], "params": rank0["data"][t], "shards": {}, "shard_grads": {},
-                      "padding_intervals": {}, "replicas": None, "buffers": buffers,
-                      "shadow": reference.step(t, params_before)})
+        steps.append(StepRecord(t + 1, torch.stack([r["loss"][t] for r in replies]), rank0["grads"][t],
+                                rank0["data"][t], buffers, reference.step(t, params_before)))
         params_before = rank0["data"][t]
     cell = Cell("fuzz", impl, spec.world_size, spec.data_mode, spec.steps, impl_name=adapter.name)
-    return {"format": FORMAT, "cell": cell.to_json(), "optimizer": spec.optimizer.kind,
-            "world_size": spec.world_size, "layouts": {},
-            "padding": {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
-            "init": {"params": rank0["init"], "buffers": buffers}, "steps": steps}
+    return Snapshot(cell.to_json(), spec.optimizer.kind, spec.world_size, {},
+                    {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
+                    rank0["init"], buffers, steps).to_dict()
 
 
 def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[dict],
@@ -163,18 +160,14 @@ def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[di
         shards = stack([r["data"][t] for r in replies])
         shard_grads = stack([r["grads"][t] for r in replies]) if replies[0]["grads"][t] else {}
         params = full(shards)
-        steps.append({"step": t + 1, "loss": torch.stack([r["loss"][t] for r in replies]),
-                      "grads": full(shard_grads), "params": params, "shards": shards,
-                      "shard_grads": shard_grads, "padding_intervals": padding_intervals,
-                      # Full tensors are assembled from one set of shards here: no replicas to compare.
-                      "replicas": None, "buffers": buffers,
-                      "shadow": reference.step(t, params_before)})
+        # Full tensors are assembled from one set of shards here: no replicas to compare.
+        steps.append(StepRecord(t + 1, torch.stack([r["loss"][t] for r in replies]), full(shard_grads), params,
+                                buffers, reference.step(t, params_before), shards, shard_grads, padding_intervals))
         params_before = params
     cell = Cell("fuzz", "ours", spec.world_size, spec.data_mode, spec.steps, faults=tuple(sorted(faults)))
-    return {"format": FORMAT, "cell": cell.to_json(), "optimizer": spec.optimizer.kind,
-            "world_size": spec.world_size, "layouts": name_layouts,
-            "padding": {"params": Ours.param_padding.value, "grads": Ours.grad_padding.value},
-            "init": {"params": init_params, "buffers": buffers}, "steps": steps}
+    return Snapshot(cell.to_json(), spec.optimizer.kind, spec.world_size, name_layouts,
+                    {"params": Ours.param_padding.value, "grads": Ours.grad_padding.value},
+                    init_params, buffers, steps).to_dict()
 
 
 def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = (), impl: str = "ours") -> ExampleResult:

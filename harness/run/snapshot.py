@@ -30,6 +30,10 @@ accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is 
                            "buffers": {...}}}],                # rank 0's buffers after the replay
      "perturbed": [[{name: tensor} per step] per run]}  # reference cells only
 
+Producers build it through the typed records below (`Snapshot`, `StepRecord`, `Buffers`): the
+matrix worker (harness/run/worker.py) from the ranks' evidence, the fuzzer (harness/fuzz/check.py)
+from the pool's replies; `Snapshot.to_dict()` is the format above, the one the judge reads.
+
 On disk ([Note: Snapshot encoding]) the containers are one JSON text and the tensors a few flat
 tensors, one per dtype; `load_snapshot` rebuilds the containers above.
 
@@ -47,11 +51,80 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 FORMAT = "fsdp-equiv-snapshot/3"  # /2: [Note: Snapshot encoding]; /3: buffers
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """Module buffers of one moment: rank 0's values and every rank's digests (W, len(values))."""
+
+    values: dict[str, torch.Tensor]
+    digests: torch.Tensor
+
+    @staticmethod
+    def none(world_size: int) -> Buffers:
+        """The evidence of a model without buffers."""
+        return Buffers({}, torch.zeros(world_size, 0, dtype=torch.long))
+
+    def to_dict(self) -> dict:
+        return {"values": self.values, "digests": self.digests}
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step's evidence (the "steps" entries of the format)."""
+
+    step: int
+    loss: torch.Tensor  # (W,) each rank's local loss
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+    buffers: Buffers
+    shadow: dict  # the replay (harness/judge/shadow.py Shadow.step)
+    shards: dict[str, torch.Tensor] = field(default_factory=dict)  # raw (W, shard_numel) rows, if any
+    shard_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    padding_intervals: dict[str, list] = field(default_factory=dict)
+    replicas: dict | None = None  # None: full tensors assembled from one set of shards, no replicas
+    layouts: dict | None = None  # this step's, when the implementation reports them per step
+
+    def to_dict(self) -> dict:
+        out = {"step": self.step, "loss": self.loss, "grads": self.grads, "params": self.params,
+               "shards": self.shards, "shard_grads": self.shard_grads, "padding_intervals": self.padding_intervals,
+               "replicas": self.replicas, "buffers": self.buffers.to_dict(), "shadow": self.shadow}
+        if self.layouts is not None:
+            out["layouts"] = self.layouts
+        return out
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One (cell, optimizer)'s evidence; `to_dict()` is the format of this module's docstring."""
+
+    cell: dict  # Cell.to_json()
+    optimizer: str
+    world_size: int
+    layouts: dict
+    padding: dict[str, str]  # {"params": Padding value, "grads": ...}
+    init_params: dict[str, torch.Tensor]
+    init_buffers: Buffers
+    steps: list[StepRecord]
+    perturbed: list | None = None  # reference cells: the perturbed runs' parameters per step
+    run_id: str | None = None
+
+    def to_dict(self) -> dict:
+        out = {"format": FORMAT, "cell": self.cell, "optimizer": self.optimizer, "world_size": self.world_size,
+               "layouts": self.layouts, "padding": self.padding,
+               "init": {"params": self.init_params, "buffers": self.init_buffers.to_dict()},
+               "steps": [rec.to_dict() for rec in self.steps]}
+        if self.perturbed is not None:
+            out["perturbed"] = self.perturbed
+        if self.run_id is not None:
+            out["run_id"] = self.run_id
+        return out
 INIT_FORMAT = "fsdp-equiv-init/1"  # {"format", "run_id", "state": {name: tensor}}
 
 

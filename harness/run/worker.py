@@ -30,8 +30,8 @@ from harness.run import dist_faults
 from harness.run.plan import Cell
 from harness.run.rank import rank_prologue
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
-from harness.run.snapshot import (FORMAT, complete_path, digest, load_buffers, load_state, save_snapshot, snapshot_path,
-                                  write_atomic_text)
+from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, load_buffers, load_state,
+                                  save_snapshot, snapshot_path, write_atomic_text)
 from harness.judge.tolerance import NUM_PERTURBED_RUNS
 
 
@@ -213,15 +213,13 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         if step == 1:
             init_buffer_digests = all_digests[:, num_replicas + len(buffer_names):]
             pending_digests = []
-        record = {"step": step, "loss": losses, "grads": grads, "params": params, "shards": shards,
-                  "layouts": adapter.layouts(wrapped),
-                  "shard_grads": shard_grads, "padding_intervals": padding_intervals,
-                  "replicas": {"names": names + [f"{n} (grad)" for n in grad_names], "digests": replica_digests},
-                  "buffers": {"values": buffers, "digests": buffer_digests}}
         if shadow is not None:
-            record["shadow"] = shadow.step(params_before, batch, cell.data_mode, ctx.world_size,
-                                           buffers_before=buffers_before)
-        steps.append(record)
+            steps.append(StepRecord(
+                step, losses, grads, params, Buffers(buffers, buffer_digests),
+                shadow.step(params_before, batch, cell.data_mode, ctx.world_size, buffers_before=buffers_before),
+                shards, shard_grads, padding_intervals,
+                {"names": names + [f"{n} (grad)" for n in grad_names], "digests": replica_digests},
+                adapter.layouts(wrapped)))
         params_before, buffers_before = params, buffers
         if step in reshard_steps:
             shard_size = max(1, ctx.world_size // 2 ** (reshard_steps.index(step) + 1))
@@ -234,22 +232,11 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                                      scratch_dir / f"{cell.cell_id}.{spec.kind}")
     if not is_writer:
         return None
-    snapshot = {
-        "format": FORMAT,
-        "cell": cell.to_json(),
-        "optimizer": spec.kind,
-        "world_size": ctx.world_size,
-        "layouts": layouts,
-        "padding": {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
-        "init": {"params": init_params,
-                 "buffers": {"values": init_bufs,
-                             "digests": init_buffer_digests}},
-        "steps": steps,
-    }
-    if cell.is_reference:
-        snapshot["perturbed"] = [perturbed_run(case, spec, init_state, cell.steps, seed, ctx.device, init_buffers)
-                                 for seed in range(1, NUM_PERTURBED_RUNS + 1)]
-    return snapshot
+    perturbed = ([perturbed_run(case, spec, init_state, cell.steps, seed, ctx.device, init_buffers)
+                  for seed in range(1, NUM_PERTURBED_RUNS + 1)] if cell.is_reference else None)
+    return Snapshot(cell.to_json(), spec.kind, ctx.world_size, layouts,
+                    {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
+                    init_params, Buffers(init_bufs, init_buffer_digests), steps, perturbed).to_dict()
 
 
 def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], num_steps: int,
