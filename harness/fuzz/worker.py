@@ -27,9 +27,8 @@ from harness.fuzz.spec import ModelSpec, as_case
 from harness.adapters.base import RankContext
 from harness.adapters.ours import Ours
 from harness.adapters.registry import resolve_impl
-from harness.judge.shadow import forward_backward
 from harness.run import dist_faults
-from harness.run.rank import rank_prologue
+from harness.run.rank import rank_prologue, train_step
 from harness.run.snapshot import decode, encode
 
 
@@ -57,22 +56,16 @@ def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.T
     model.load_state_dict(init)
     adapter = dist_faults.planted(Ours(), faults)  # collective faults, if any
     wrapped = adapter.wrap(model, case.wrap, replace(ctx, faults=faults))
-    optim = spec.optimizer.build(wrapped.parameters())
+    optim = adapter.make_optimizer(wrapped, spec.optimizer, case.features)
     init_data, _ = _shards(wrapped)
     losses, step_grads, step_data = [], [], []
     for step in range(1, spec.steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = local_batch(batch, spec.data_mode, ctx.rank, ctx.world_size)
-        optim.zero_grad(set_to_none=True)
-        m = spec.accumulation
-        sync_all = spec.sync_every_micro or m == 1
-        before = None if sync_all else (lambda i: wrapped.set_requires_gradient_sync(i == m - 1))
-        with dist_faults.armed(adapter):
-            loss_sum = forward_backward(wrapped, case.loss_fn, inputs, targets, m, before_micro=before)
-        _, grads = _shards(wrapped)
-        optim.step()
+        loss, (_, grads) = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, spec.accumulation,
+                                      case.features, lambda: _shards(wrapped), spec.sync_every_micro)
         data, _ = _shards(wrapped)
-        losses.append(loss_sum)
+        losses.append(loss)
         step_grads.append(grads)
         step_data.append(data)
     return {"layouts": json.dumps(_layouts(wrapped)), "init": init_data, "loss": torch.stack(losses),
@@ -97,18 +90,11 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
     for step in range(1, spec.steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = local_batch(batch, spec.data_mode, ctx.rank, ctx.world_size)
-        adapter.zero_grad(wrapped, optim)
-        m = spec.accumulation
-        if m > 1 and spec.sync_every_micro:
-            # Every micro-batch synced: the adapter's forward_backward skips all but the last one's
-            # sync, so the wrapped model runs as it is (an adapter that owns its step maps a single
-            # micro-batch only, fuzz/main.py `_accumulations`, and never comes here).
-            with dist_faults.armed(adapter):
-                loss = forward_backward(wrapped, case.loss_fn, inputs, targets, m)
-        else:  # the adapter's own step (an engine's backward; sync on the last micro-batch only)
-            loss = adapter.forward_backward(wrapped, case.loss_fn, inputs, targets, m)
-        step_grads.append(adapter.full_grads(wrapped))
-        adapter.optimizer_step(wrapped, optim, case.features)
+        # An adapter that owns its step (an engine's backward) maps a single micro-batch only
+        # (fuzz/main.py `_accumulations`), so it never meets sync_every_micro.
+        loss, grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, spec.accumulation,
+                                 case.features, lambda: adapter.full_grads(wrapped), spec.sync_every_micro)
+        step_grads.append(grads)
         step_params.append(adapter.full_params(wrapped))
         losses.append(loss)
     if ctx.rank != 0:  # rank 0 carries the full tensors; every rank its loss

@@ -1,5 +1,6 @@
-"""The rank prologue: the first thing every rank does, whichever verb launched it (run, fuzz,
-mutants and bench all launch through harness/run/launch.py).
+"""The rank runtime: the prologue, the first thing every rank does whichever verb launched it
+(run, fuzz, mutants and bench all launch through harness/run/launch.py), and the training step
+the matrix worker and the fuzz worker both run (`train_step`).
 
 Each rank dies with torchrun and with the harness ([Note: No survivors] in
 harness/run/lifeline.py), dumps every thread's stack on SIGUSR1 (the launcher's timeout), pins
@@ -13,12 +14,16 @@ import faulthandler
 import os
 import signal
 from datetime import timedelta
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from harness.adapters.base import RankContext
-from harness.run import lifeline
+from harness.adapters.base import Adapter, RankContext
+from harness.judge.shadow import forward_backward
+from harness.run import dist_faults, lifeline
+
+T = TypeVar("T")
 
 
 def rank_prologue(threads: int, backend: str = "gloo", device: str = "cpu",
@@ -42,3 +47,23 @@ def rank_prologue(threads: int, backend: str = "gloo", device: str = "cpu",
     else:
         dist.init_process_group(backend, timeout=timedelta(seconds=collective_timeout_s))
     return RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, rank_device)
+
+
+def train_step(adapter: Adapter, model: torch.nn.Module, optim: torch.optim.Optimizer, loss_fn, inputs, targets,
+               num_micro: int, features, evidence: Callable[[], T] | None = None,
+               sync_every_micro: bool = False) -> tuple[torch.Tensor, T | None]:
+    """One training step through the adapter: zero the gradients, forward and backward over
+    `num_micro` micro-batches (gradients synced on the last one only, or on every one with
+    `sync_every_micro`), `evidence()` taken after backward and before the optimizer (the averaged
+    gradients), then the optimizer step (clipping included). Returns (local loss, evidence)."""
+    adapter.zero_grad(model, optim)
+    if num_micro > 1 and sync_every_micro:
+        # The wrapped model as it is: every micro-batch syncs (the adapter's own forward_backward
+        # syncs the last one only); the adapter's collective faults armed as its step arms them.
+        with dist_faults.armed(adapter):
+            loss = forward_backward(model, loss_fn, inputs, targets, num_micro)
+    else:
+        loss = adapter.forward_backward(model, loss_fn, inputs, targets, num_micro)
+    seen = evidence() if evidence is not None else None
+    adapter.optimizer_step(model, optim, features)
+    return loss, seen

@@ -28,7 +28,7 @@ from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
 from harness.run.plan import Cell
-from harness.run.rank import rank_prologue
+from harness.run.rank import rank_prologue, train_step
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
 from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, load_buffers, load_state,
                                   save_snapshot, snapshot_path, write_atomic_text)
@@ -193,10 +193,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = map_tensors(lambda t: t.to(ctx.device),
                                       local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size))
-        adapter.zero_grad(wrapped, optim)
-        loss = adapter.forward_backward(wrapped, case.loss_fn, inputs, targets, features.grad_accum)
-        grads = _pick(adapter.full_grads(wrapped), grad_names, "full_grads", ctx, cell)
-        adapter.optimizer_step(wrapped, optim, features)
+        loss, grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, features.grad_accum, features,
+                                 lambda: _pick(adapter.full_grads(wrapped), grad_names, "full_grads", ctx, cell))
         if scheduler is not None:
             scheduler.step()
         params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
