@@ -199,9 +199,14 @@ FUZZ_RATE = re.compile(r"^\[fuzz\] impl=ours W=(\d+) .*: (\d+) examples \(shrink
                        r"([0-9.]+) examples/s; pool start-up ([0-9.]+)s", re.MULTILINE)
 
 
+FUZZ_PER_EXAMPLE = re.compile(r"^\[fuzz\] per example: ([0-9.]+) ms, of which ranks training ([0-9.]+) ms", re.MULTILINE)
+
+
 def fuzz_rate(cfg: BenchConfig, work: Path) -> dict:
     """`python -m harness fuzz` at W = FUZZ_WORLD_SIZE, as a user runs it: examples per second
-    after the pool's start-up (the line the fuzzer prints), and the start-up itself."""
+    after the pool's start-up (the line the fuzzer prints), the start-up itself, the ranks' share
+    of an example, and what one gloo all-gather and reduce-scatter of a fuzz-sized flat parameter
+    costs at that world size (a launch of its own): the floor an example's collectives put under it."""
     cmd = [sys.executable, "-m", "harness", "fuzz", "--world-size", str(FUZZ_WORLD_SIZE), "--max-examples",
            str(FUZZ_EXAMPLES), "--threads", str(cfg.threads), "--out", str(work / "fuzz")]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=cfg.timeout_s)
@@ -209,9 +214,17 @@ def fuzz_rate(cfg: BenchConfig, work: Path) -> dict:
     if proc.returncode != 0 or match is None:
         raise BenchError(f"harness fuzz exited {proc.returncode} without its rate line:\n"
                          f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    per_example = FUZZ_PER_EXAMPLE.search(proc.stdout)
+    torchrun(FUZZ_WORLD_SIZE, ["harness.bench.worker", "collectives", "--iters", "200",
+                               "--out", str(work / "collectives.json")], cfg.threads, cfg.timeout_s, work / "collectives")
+    ranks = json.loads((work / "collectives.json").read_text())["ranks"]
     return {"fuzz_world_size": int(match.group(1)), "fuzz_examples": int(match.group(2)),
             "fuzz_s": float(match.group(3)), "fuzz_examples_per_s": float(match.group(4)),
-            "fuzz_start_up_s": float(match.group(5))}
+            "fuzz_start_up_s": float(match.group(5)),
+            "fuzz_example_ms": float(per_example.group(1)) if per_example else None,
+            "fuzz_ranks_ms": float(per_example.group(2)) if per_example else None,
+            "all_gather_ms": 1e3 * max(r["all_gather_s"] for r in ranks),
+            "reduce_scatter_ms": 1e3 * max(r["reduce_scatter_s"] for r in ranks)}
 
 
 def environment(cfg: BenchConfig) -> dict:
@@ -360,6 +373,15 @@ def render_markdown(result: dict) -> str:
             lines += ["", f"Fuzz (`python -m harness fuzz --world-size {t['fuzz_world_size']}`, same run): "
                       f"{t['fuzz_examples_per_s']:.1f} examples/s ({t['fuzz_examples']} examples in {t['fuzz_s']:.1f} s, "
                       f"shrinking included), after a pool start-up of {t['fuzz_start_up_s']:.1f} s paid once."]
+            if t.get("fuzz_ranks_ms") is not None and t.get("all_gather_ms"):
+                lines += ["", f"Per example {t['fuzz_example_ms']:.0f} ms, of which the ranks train "
+                          f"{t['fuzz_ranks_ms']:.0f} ms. One gloo all-gather of 16 elements per rank costs "
+                          f"{t['all_gather_ms']:.2f} ms at W = {t['fuzz_world_size']} on this machine, one "
+                          f"reduce-scatter {t['reduce_scatter_ms']:.2f} ms (`bench.worker collectives`, the slowest "
+                          f"rank): an example's units gather twice and reduce once per micro-batch and step, so its "
+                          f"training is the time of about "
+                          f"{t['fuzz_ranks_ms'] / (2 * t['all_gather_ms'] + t['reduce_scatter_ms']) * 3:.0f} "
+                          f"such collectives."]
     return "\n".join(lines) + "\n"
 
 

@@ -337,9 +337,28 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def run_collectives(args, rank: int, world_size: int) -> dict:
+    """Seconds per all-gather and per reduce-scatter of a few dozen elements, the sizes of the
+    fuzzer's flat parameters: on CPU with gloo their latency, not their bytes, sets the time of a
+    fuzz example (every unit gathers and reduces every step)."""
+    shard = torch.ones(16)
+    full = torch.empty(16 * world_size)
+    out = {}
+    for kind, op in (("all_gather", lambda: dist.all_gather_into_tensor(full, shard)),
+                     ("reduce_scatter", lambda: dist.reduce_scatter_tensor(shard, full))):
+        for _ in range(20):
+            op()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            op()
+        out[f"{kind}_s"] = (time.perf_counter() - start) / args.iters
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("speed", "memory", "bare"))
+    parser.add_argument("mode", choices=("speed", "memory", "bare", "collectives"))
     parser.add_argument("--out", required=True)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--iters", type=int, default=10)
@@ -354,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ctx = rank_prologue(args.threads)
     rank, world_size = ctx.rank, ctx.world_size
-    modes = {"speed": run_speed, "memory": run_memory, "bare": lambda *_: {"world_size": world_size}}
+    modes = {"speed": run_speed, "memory": run_memory, "bare": lambda *_: {"world_size": world_size},
+             "collectives": run_collectives}
     result = modes[args.mode](args, rank, world_size)
     per_rank = [None] * world_size
     dist.all_gather_object(per_rank, result)
