@@ -89,7 +89,6 @@ class Shadow:
         load_nonpersistent_buffers(plain, init_buffers or {})
         plain.to(device)
         self.params = dict(plain.named_parameters())
-        self.buffers = dict(plain.named_buffers())
         self.plain = plain
         # Tied parameters: every use beyond the first, by name. Their gradient is a sum over uses
         # that an implementation may associate differently (across micro-batches, say), so each
@@ -157,13 +156,18 @@ class Shadow:
         return (torch.stack(losses), {n: s / world_size for n, s in grad_sum.items()},
                 {n: s / world_size for n, s in abs_sum.items()})
 
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The plain model's buffers now (read afresh: a forward may assign a new tensor to one)."""
+        return dict(self.plain.named_buffers())
+
     def _set_buffers(self, values: dict[str, torch.Tensor]) -> None:
         missing = sorted(set(self.buffers) - set(values))
         if missing:
             raise ValueError(f"buffers {missing[:4]} of the plain model are missing from the cell's buffers")
         with torch.no_grad():
             for name, b in self.buffers.items():
-                b.copy_(values[name])
+                b.copy_(values[name])  # in place: a buffer the forward reassigned is the module's now
 
     def _untie(self) -> dict[str, list[torch.Tensor]]:
         """Give every extra use of a tied parameter a leaf of its own (same values, so the same
