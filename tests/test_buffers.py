@@ -184,3 +184,32 @@ def test_split_data_holds_other_ranks_to_constants_only():
     broken = _evidence(want, [want, {"stat": torch.tensor([1.5, 2.5]), "table": torch.zeros(4)}])
     bad = diff.buffer_violations("sgd", 1, broken, want, {"table"}, diff.CheckStats())
     assert [(v.name, v.rank) for v in bad] == [("table", 1)]
+
+
+def test_the_replay_follows_a_buffer_the_forward_reassigns():
+    """`self.calls = self.calls + 1` puts a new tensor in the module's buffers: the replay must read
+    the model's buffers afresh, or it would report the stale one and fail an honest run."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from cases.catalog import Case, OptimizerSpec
+    from harness.judge.shadow import Shadow
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x):
+            self.calls = self.calls + 1
+            return self.lin(x)
+
+    case = Case(name="counting", description="", build_model=Counting, wrap=(), loss_fn=F.mse_loss,
+                make_batch=lambda seed, step, b: (torch.ones(b, 2), torch.zeros(b, 2)),
+                optimizers=(OptimizerSpec("sgd", lr=0.1),), global_batch=2, world_sizes=(1,))
+    model = Counting()
+    shadow = Shadow(case, case.optimizers[0], model.state_dict())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = shadow.step(params, case.make_batch(0, 1, 2), "identical", 1, buffers_before={"calls": torch.tensor(4)})
+    assert int(out["buffers"]["calls"]) == 5
