@@ -95,9 +95,14 @@ def validate_case(case: Case, spec: str) -> None:
             raise ValueError(f"{where}: a batch tensor has shape {tuple(t.shape)}; dim 0 must be the batch "
                              f"(global_batch={case.global_batch}) so that split data can divide it")
     inputs, targets = batch
-    try:
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+
+    def forward_loss():
         out = map_tensors(lambda t: t.float() if t.is_floating_point() else t, call_model(model, inputs))
-        loss = case.loss_fn(out, targets)
+        return case.loss_fn(out, targets)
+
+    try:
+        loss = forward_loss()
     except Exception as e:
         raise ValueError(f"{where}: the forward or loss_fn raised {type(e).__name__}: {_one_line(e)}") from None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
@@ -107,6 +112,17 @@ def validate_case(case: Case, spec: str) -> None:
         raise ValueError(f"{where}: the loss of the first batch is {loss.item()}; the case must start finite")
     if not loss.requires_grad:
         raise ValueError(f"{where}: the loss does not depend on any trainable parameter")
+    # The judge replays each rank's forward and asks for its loss bit for bit (docs/error_model.md):
+    # a forward that draws random numbers (dropout) cannot be replayed. Same model, same buffers,
+    # same batch, the random generator moved on: the loss must not change.
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    again = forward_loss().detach()  # with autograd on, as the first: kernels may depend on it
+    if not torch.equal(loss.detach().reshape(1).view(torch.uint8), again.reshape(1).view(torch.uint8)):
+        raise ValueError(f"{where}: two forward passes of the same model on the same batch gave losses "
+                         f"{loss.item()!r} and {again.item()!r}: the forward draws random numbers (dropout?), which "
+                         f"no replay reproduces; set every dropout probability to 0 in build_model")
     named = list(model.named_parameters())
     for opt in case.optimizers:
         for i, group in enumerate(opt.param_groups):

@@ -62,6 +62,8 @@ _MISTAKES = {
         "matches no parameter"),
     "scheduler is not one": ("optimizers=(OptimizerSpec('sgd', lr=0.1, lr_scheduler=lambda opt: 3),)",
                              "not a torch.optim.lr_scheduler.LRScheduler"),
+    "dropout in the forward": ("build_model=lambda: nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2))",
+                               "the forward draws random numbers (dropout?)"),
     "wrap path missing": ("wrap=('encoder',)", "is not a sub-module"),
     "wrap class missing": ("wrap=(nn.Conv2d,)", "match no sub-module"),
 }
