@@ -122,3 +122,32 @@ def test_a_scaled_layer_init_fails_the_baseline_while_the_sharding_checks_pass(r
     others = [c for c in root.findall("testcase") if c.get("name") != "baseline.mlp"]
     assert all(len(c) == 0 for c in others)  # the sharded runs still match their own reference
     assert f"BASELINE FAIL baseline {recorded}" in out
+
+
+@pytest.mark.slow
+def test_a_changed_batchnorm_momentum_fails_the_baseline_on_buffers_while_the_sharding_checks_pass(tmp_path):
+    """BatchNorm's running statistics are buffers: no loss, gradient or parameter moves when their
+    momentum changes, the sharded run follows its own reference, and only the baseline's buffer
+    digests see the model changed."""
+    case_file = tmp_path / "bn_case.py"
+    source = (REPO / "tests" / "data" / "user_case_buffers.py").read_text()
+    case_file.write_text(source)
+    cheap = ["--cases", f"{case_file}:make_case", "--steps", "2"]
+    path = tmp_path / "baseline.json"
+    rc, out = harness(["baseline", "record", *cheap, "--out", str(path), "--work-dir", str(tmp_path / "work"), "--quiet"],
+                      cwd=REPO, timeout=600)
+    assert rc == 0, out[-4000:]
+    recorded = json.loads(path.read_text())["cases"][f"{case_file}:make_case"]["optimizers"]["sgd"]
+    assert "blocks.0.norm.running_var" in recorded["init_buffers"] and "scale" in recorded["steps"][0]["buffers"]
+
+    assert source.count("nn.BatchNorm1d(D)") == 1
+    case_file.write_text(source.replace("nn.BatchNorm1d(D)", "nn.BatchNorm1d(D, momentum=0.2)"))
+    rc, out = harness(["gate", *cheap, "--world-sizes", "1", "--data", "identical", "--impls", "ours", "--baseline", str(path), "--out", str(tmp_path / "gate"),
+                       "--quiet"], cwd=REPO, timeout=600)
+    assert rc == 1, out[-4000:]
+    root = ET.parse(tmp_path / "gate" / "junit.xml").getroot()
+    by_name = {c.get("name"): c for c in root.findall("testcase")}
+    baseline = next(c for name, c in by_name.items() if name.startswith("baseline."))
+    message = baseline.find("failure").get("message")
+    assert "step=1 buffers 'blocks.0.norm.running_mean'" in message, message
+    assert all(len(c) == 0 for name, c in by_name.items() if not name.startswith("baseline."))  # sharded runs pass

@@ -253,8 +253,10 @@ def test_the_environment_comes_from_the_plan(tmp_path):
 
 def _baseline_for(plan) -> dict:
     """A well-formed baseline of mlp (2 steps, both optimizers) recorded under `plan`'s key."""
-    record = lambda t: {"step": t, "loss": 1.0, "grads": {"w": [0.5, 1.0]}, "params": {"w": [0.5, 1.0]}}  # noqa: E731
-    optimizers = {kind: {"init": {"w": [0.0, 1.0]}, "steps": [record(1), record(2)]} for kind in ("sgd", "adamw")}
+    record = lambda t: {"step": t, "loss": 1.0, "grads": {"w": [0.5, 1.0]}, "params": {"w": [0.5, 1.0]},  # noqa: E731
+                        "buffers": {}}
+    optimizers = {kind: {"init": {"w": [0.0, 1.0]}, "init_buffers": {}, "steps": [record(1), record(2)]}
+                  for kind in ("sgd", "adamw")}
     return {"format": FORMAT, "key": environment_key(plan), "recorded": {},
             "cases": {"mlp": {"steps": 2, "optimizers": optimizers}}}
 

@@ -4,15 +4,17 @@ The equivalence checks compare a sharded run with the plain model run in the sam
 change to the model math itself (a different init, a new activation, a changed loss) passes
 them: both sides move together. A baseline pins the plain model: `baseline record` stores, for
 each case and optimizer of the reference run (impl=single, W = 1), every step's loss and a digest
-of every gradient and parameter; `gate --baseline FILE` compares the run's own reference with it.
+of every gradient, parameter and module buffer; `gate --baseline FILE` compares the run's own
+reference with it.
 
 Format (`FORMAT`), JSON so that a baseline diffs and reviews like code:
 
     {"format": FORMAT, "key": {"torch", "cuda", "backend", "device", "gpu", "threads"},
      "recorded": {"git_commit", "python", "platform", "cpu_capability"},   # informational
      "cases": {case: {"steps": N, "optimizers": {kind: {
-         "init": {name: [sum, norm]},
-         "steps": [{"step": t, "loss": L, "grads": {name: [sum, norm]}, "params": {name: [sum, norm]}}]}}}}}
+         "init": {name: [sum, norm]}, "init_buffers": {name: [sum, norm]},
+         "steps": [{"step": t, "loss": L, "grads": {name: [sum, norm]}, "params": {name: [sum, norm]},
+                    "buffers": {name: [sum, norm]}}]}}}}}
 
 A digest is (sum, L2 norm) of the tensor, accumulated in float64 (fp32 values are exact in fp64).
 
@@ -23,7 +25,8 @@ from another key is refused (PlanError, exit 2) rather than compared. Within a k
 is deterministic, and what a digest may still differ by is bounded by the error model: if every
 element satisfies |a - b| <= tol (docs/error_model.md, the per-step tolerance the gate's own checks
 use, computed from this run's shadow), then |sum(a) - sum(b)| <= sum(tol) and, by the reverse
-triangle inequality, |norm(a) - norm(b)| <= norm(a - b) <= norm(tol). Initial parameters are exact.
+triangle inequality, |norm(a) - norm(b)| <= norm(a - b) <= norm(tol). Initial parameters, the loss
+and module buffers are exact (the buffers check's argument: [Note: Buffers] in harness/judge/diff.py).
 The per-step bound does not cover rounding differences compounded over several free-running
 steps; within one key there are none (the gate's run and the recording run are the same
 computation), so on a machine whose kernels round differently, re-record the baseline there.
@@ -54,7 +57,7 @@ from harness.judge.diff import StepBounds
 from harness.judge.verdict import Verdict
 from harness.report.environment import BASELINE_KEY_FIELDS, baseline_key, plan_environment
 
-FORMAT = "fsdp-equiv-baseline/2"  # /2: the key gained cuda and gpu
+FORMAT = "fsdp-equiv-baseline/3"  # /2: the key gained cuda and gpu; /3: module buffers
 KEY_FIELDS = BASELINE_KEY_FIELDS
 
 
@@ -107,9 +110,11 @@ def baseline_from_snapshots(ref_plan: RunPlan) -> dict:
                 raise BaselineNotRecorded(f"snapshot {path}: {type(e).__name__}: {e}") from None
             optimizers[spec.kind] = {
                 "init": {n: digest(p) for n, p in snap["init"]["params"].items()},
+                "init_buffers": {n: digest(b) for n, b in snap["init"]["buffers"]["values"].items()},
                 "steps": [{"step": rec["step"], "loss": rec["loss"].double()[0].item(),
                            "grads": {n: digest(g) for n, g in rec["grads"].items()},
-                           "params": {n: digest(p) for n, p in rec["params"].items()}}
+                           "params": {n: digest(p) for n, p in rec["params"].items()},
+                           "buffers": {n: digest(b) for n, b in rec["buffers"]["values"].items()}}
                           for rec in snap["steps"]],
             }
         cases[ref.case] = {"steps": ref.steps, "optimizers": optimizers}
@@ -197,6 +202,7 @@ def validate_baseline(baseline) -> None:
             if not isinstance(opt, dict):
                 raise ValueError(f"{w} is {type(opt).__name__}, not an object")
             _digests(f"{w}.init", opt.get("init"))
+            _digests(f"{w}.init_buffers", opt.get("init_buffers"))
             records = opt.get("steps")
             if not isinstance(records, list) or len(records) != steps:
                 got = len(records) if isinstance(records, list) else type(records).__name__
@@ -209,6 +215,7 @@ def validate_baseline(baseline) -> None:
                     raise ValueError(f"{r}.loss={rec.get('loss')!r} is not a number")
                 _digests(f"{r}.grads", rec.get("grads"))
                 _digests(f"{r}.params", rec.get("params"))
+                _digests(f"{r}.buffers", rec.get("buffers"))
 
 
 def load_baseline(path: str | Path, plan: RunPlan) -> dict:
@@ -254,7 +261,7 @@ class BaselineViolation:
     case: str
     optimizer: str
     step: int  # 0: initial parameters
-    quantity: str  # loss | init | grad | param | names
+    quantity: str  # loss | init | buffers | grad | param | names
     name: str
     stat: str  # value | sum | norm
     actual: float
@@ -340,6 +347,7 @@ def check_baseline(plan: RunPlan, baseline: dict, path: str) -> list[BaselineRes
                              f"the reference run failed, see its row")
                 break
             _check_digests(out, spec.kind, 0, "init", snap["init"]["params"], recorded["init"], None)
+            _check_digests(out, spec.kind, 0, "buffers", snap["init"]["buffers"]["values"], recorded["init_buffers"], None)
             # The run's steps are 1..ref.steps (checked above); the baseline may hold more.
             recorded_steps = recorded["steps"][: ref.steps]
             for rec, rec_base, (loss_tol, grad_tols, param_tols) in zip(snap["steps"], recorded_steps,
@@ -352,6 +360,7 @@ def check_baseline(plan: RunPlan, baseline: dict, path: str) -> list[BaselineRes
                                                             loss, rec_base["loss"], loss_tol))
                 _check_digests(out, spec.kind, rec["step"], "grad", rec["grads"], rec_base["grads"], grad_tols)
                 _check_digests(out, spec.kind, rec["step"], "param", rec["params"], rec_base["params"], param_tols)
-        out.violations.sort(key=lambda v: (v.step, ("names", "init", "loss", "grad", "param").index(v.quantity)))
+                _check_digests(out, spec.kind, rec["step"], "buffers", rec["buffers"]["values"], rec_base["buffers"], None)
+        out.violations.sort(key=lambda v: (v.step, ("names", "init", "loss", "buffers", "grad", "param").index(v.quantity)))
         out.wall_s = time.perf_counter() - start
     return results

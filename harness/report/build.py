@@ -21,7 +21,7 @@ from harness.run.outcome import RunOutcome
 from harness.judge.tolerance import TRAJECTORY_FACTOR
 from harness.judge.verdict import CellResult, Matrix, Verdict
 
-EXACT_CHECKS = ("nonfinite", "init", "loss", "replicas", "padding")  # tolerance 0: a violation is the failure
+EXACT_CHECKS = ("nonfinite", "init", "loss", "buffers", "replicas", "padding")  # tolerance 0: a violation is the failure
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def step_rows(r: CellResult) -> list[dict]:
         compared = {c for c, st in opt.checks.items() if st["elements"] > 0} | {"nonfinite"}
         for step in steps:
             for check in EXACT_CHECKS:
-                judged_here = {"init": step == 0, "nonfinite": True}.get(check, step > 0)
+                judged_here = {"init": step == 0, "nonfinite": True, "buffers": True}.get(check, step > 0)
                 if check in compared and judged_here:
                     row(step).update({f"{check}_max_diff": 0.0, f"{check}_tol": 0.0, f"{check}_margin": 0.0,
                                       f"{check}_name": ""})
