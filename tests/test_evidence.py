@@ -156,6 +156,8 @@ def test_a_reference_with_a_missing_step_fails_the_run(run):
     results, verdict = _judge(run)
     assert verdict == "fail"
     assert results["ref.mlp"].verdict == "error" and "steps 1..1 recorded" in results["ref.mlp"].error
+    # Judged without its reference the cell would lose its trajectory check: no verdict, not a pass.
+    assert results[CELL].verdict == "error" and "left no usable evidence" in results[CELL].error, results[CELL]
 
 
 def test_unreadable_or_missing_evidence_is_an_error_row_not_a_traceback(run):
