@@ -253,8 +253,10 @@ def test_every_report_file_renders_a_nonfinite_cell_and_they_agree(monkeypatch, 
 def _baseline(steps: int = 2) -> dict:
     from harness.ci.baseline import FORMAT
 
-    record = lambda t: {"step": t, "loss": 1.0, "grads": {"w": [0.5, 1.0]}, "params": {"w": [0.5, 1.0]}}  # noqa: E731
-    optimizers = {kind: {"init": {"w": [0.0, 1.0]}, "steps": [record(t) for t in range(1, steps + 1)]}
+    record = lambda t: {"step": t, "loss": 1.0, "grads": {"w": [0.5, 1.0]}, "params": {"w": [0.5, 1.0]},  # noqa: E731
+                        "buffers": {}}
+    optimizers = {kind: {"init": {"w": [0.0, 1.0]}, "init_buffers": {},
+                         "steps": [record(t) for t in range(1, steps + 1)]}
                   for kind in ("sgd", "adamw")}
     return {"format": FORMAT, "key": baseline_key("gloo", "cpu", 1), "recorded": {},
             "cases": {"mlp": {"steps": steps, "optimizers": optimizers}}}

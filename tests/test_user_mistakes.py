@@ -42,8 +42,8 @@ def _baseline(tmp_path) -> str:
     from harness.ci.baseline import FORMAT
     from harness.report.environment import baseline_key
 
-    record = {"step": 1, "loss": 1.0, "grads": {"w": [0.0, 1.0]}}  # no "params"
-    optimizers = {k: {"init": {"w": [0.0, 1.0]}, "steps": [record]} for k in ("sgd", "adamw")}
+    record = {"step": 1, "loss": 1.0, "grads": {"w": [0.0, 1.0]}, "buffers": {}}  # no "params"
+    optimizers = {k: {"init": {"w": [0.0, 1.0]}, "init_buffers": {}, "steps": [record]} for k in ("sgd", "adamw")}
     path = tmp_path / "baseline.json"
     path.write_text(json.dumps({"format": FORMAT, "key": baseline_key("gloo", "cpu", 1), "recorded": {},
                                 "cases": {"mlp": {"steps": 1, "optimizers": optimizers}}}))
