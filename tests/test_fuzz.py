@@ -170,3 +170,49 @@ def test_model_specs_refuse_a_world_size_below_one():
     for w in (0, -3):
         with pytest.raises(ValueError, match=f"world_size={w}"):
             model_specs(w)
+
+
+class InProcessAdapterPool(InProcessPool):
+    """The pool at W = 1 through an adapter's full tensors (impl=single), the path torch FSDP1,
+    FSDP2 and users' adapters take."""
+
+    def collect(self, i: int) -> list[dict]:
+        from harness.fuzz.worker import run_adapter_example
+
+        request = self._requests.pop(i)
+        spec = ModelSpec.from_json(request["spec"])
+        reply = run_adapter_example(spec, frozenset(request["faults"]), request["init"], RankContext(0, 1, None),
+                                    "single")
+        return [self.corrupt(spec, reply) if self.corrupt else reply]
+
+
+FROZEN = ModelSpec.from_json(json.dumps({
+    "world_size": 1, "in_features": 2, "out_features": 1, "optimizer": {"kind": "adamw", "lr": 1e-3,
+                                                                        "weight_decay": 0.01},
+    "blocks": [{"width": 3, "frozen": True}, {"width": 2}], "steps": 2}))
+
+
+def _zero_grad_for_frozen(spec, reply):
+    """What torch FSDP1's summon_full_params(with_grads=True) hands the harness: a zero gradient
+    for a frozen parameter that shares a flat parameter with trainable ones."""
+    frozen = [n for n, p in as_case(spec).build_model().named_parameters() if not p.requires_grad]
+    assert frozen
+    for grads in reply["grads"]:
+        grads.update({n: torch.zeros_like(reply["init"][n]) for n in frozen})
+    return reply
+
+
+def test_a_zero_gradient_reported_for_a_frozen_parameter_is_not_evidence_of_a_difference():
+    result = run_example(InProcessAdapterPool(corrupt=_zero_grad_for_frozen), FROZEN, impl="single")
+    assert result.ok, result.summary()
+
+
+def _drop_a_trainable_gradient(spec, reply):
+    name = next(iter(reply["grads"][0]))
+    del reply["grads"][0][name]
+    return reply
+
+
+def test_evidence_the_checks_cannot_read_is_an_error_result_not_a_traceback():
+    result = run_example(InProcessAdapterPool(corrupt=_drop_a_trainable_gradient), FROZEN, impl="single")
+    assert not result.ok and result.error is not None and "the checks raised (no verdict)" in result.error, result

@@ -105,3 +105,18 @@ def test_faults_are_caught_on_each_real_architecture_they_can_act_on(tmp_path):
     assert "| (none) (honest) | passes (2 cells) | passes (2 cells) |" in text, text
     assert re.search(r"\| no_grad_average \| yes: \w+ [^|]+ \(2/2 cells\) \| yes: \w+ [^|]+ \(2/2 cells\) \|", text), text
     assert re.search(r"\| tied_param_duplicated \| yes: [^|]+ \| n/a: needs a parameter with two names", text), text
+
+
+def test_the_corpus_runs_accumulation_models_with_one_micro_batch_for_an_adapter_that_does_not_map_it():
+    """The ten-line FSDP1 adapter (README) declares no gradient accumulation: the corpus must not
+    fail it on a sync control it never declared (it did: 'no attribute set_requires_gradient_sync')."""
+    from dataclasses import replace
+
+    from harness.ci.mutants import corpus, corpus_for
+
+    for w in (2, 4):
+        full = corpus(w)
+        assert any(s.accumulation > 1 for s in full.values())
+        assert corpus_for("ours", w) == full  # ours maps accumulation: the corpus as it is
+        reduced = corpus_for("fsdp1", w)  # maps no feature (harness/adapters/fsdp1.py)
+        assert reduced == {n: replace(s, accumulation=1) for n, s in full.items()}

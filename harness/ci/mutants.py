@@ -224,12 +224,26 @@ def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float, world_siz
     return by_fault
 
 
+def corpus_for(impl: str, world_size: int) -> dict[str, ModelSpec]:
+    """The corpus as `impl` can run it: an adapter that does not map gradient accumulation (its
+    `unsupported` names it, as the ten-line FSDP1 adapter's does) trains the accumulation models
+    with one micro-batch per step, the models the fuzzer draws for it too, instead of failing them
+    honestly on a sync control it never declared."""
+    from cases.features import Features
+    from harness.adapters.registry import resolve_impl
+
+    adapter = resolve_impl(impl)
+    return {name: spec if spec.accumulation == 1 or adapter.unsupported(Features(grad_accum=spec.accumulation)) is None
+            else replace(spec, accumulation=1)
+            for name, spec in corpus(world_size).items()}
+
+
 def _corpus_evidence(out_dir: Path, faults: list[str], world_sizes: tuple[int, ...],
                      impl: str = "ours") -> dict[str, list[Evidence]]:
     by_fault: dict[str, list[Evidence]] = {}
     for w in world_sizes:
         with RankPool(PoolConfig(w, out_dir / "logs", example_timeout_s=60.0)) as pool:
-            for name, spec in corpus(w).items():
+            for name, spec in corpus_for(impl, w).items():
                 for fault in [HONEST, *faults]:
                     res: ExampleResult = run_example(pool, spec, () if fault == HONEST else (fault,), impl)
                     if res.refused is not None:  # the implementation refuses this model at wrap: no run

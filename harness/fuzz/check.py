@@ -126,9 +126,14 @@ def assemble_full_snapshot(spec: ModelSpec, impl: str, replies: list[dict], init
     reference = reference or _Reference(spec, init)
     buffers = _no_buffers(reference, spec.world_size)
     adapter = resolve_impl(impl)
+    # The gradients of the plain model's trainable parameters, as the matrix worker picks them: a
+    # frozen parameter has none (torch FSDP1's summon_full_params(with_grads=True) hands one a
+    # zero view of its flat gradient); a frozen parameter the optimizer moved fails the param check.
+    trainable = {n for n, p in reference.shadow.params.items() if p.requires_grad}
     steps, params_before, rank0 = [], replies[0]["init"], replies[0]
     for t in range(spec.steps):
-        steps.append(StepRecord(t + 1, torch.stack([r["loss"][t] for r in replies]), rank0["grads"][t],
+        grads = {n: g for n, g in rank0["grads"][t].items() if n in trainable}
+        steps.append(StepRecord(t + 1, torch.stack([r["loss"][t] for r in replies]), grads,
                                 rank0["data"][t], buffers, reference.step(t, params_before)))
         params_before = rank0["data"][t]
     cell = Cell("fuzz", impl, spec.world_size, spec.data_mode, spec.steps, impl_name=adapter.name)
@@ -190,7 +195,10 @@ def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = (), i
     else:
         snap = assemble_snapshot(spec, faults, replies, init, reference)
     names = snap["init"]["params"]
-    result = check_snapshot(snap, {n: init[n] for n in names}, None, case=reference.case)
+    try:
+        result = check_snapshot(snap, {n: init[n] for n in names}, None, case=reference.case)
+    except ValueError as e:  # evidence that contradicts itself (ReferenceDiverged included): no verdict
+        return ExampleResult(spec, faults, error=f"the checks raised (no verdict): {type(e).__name__}: {e}")
     missing = sorted(set(reference.sizes) - set(names))
     out = ExampleResult(spec, faults, result.violations, result.margins,
                         rank_s=max(float(r.get("rank_s", 0.0)) for r in replies), checks=result.checks,
