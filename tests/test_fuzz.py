@@ -11,7 +11,7 @@ import torch
 from hypothesis import Phase, example, find, given, settings
 
 from harness.fuzz.main import fuzz, model_specs, warm_up_spec
-from harness.fuzz.check import run_example
+from harness.fuzz.check import ExampleResult, run_example
 from harness.fuzz.spec import ModelSpec, as_case, build_model, describe, init_state, wrap_paths
 from harness.fuzz.worker import run_example as rank_run_example
 from harness.adapters import RankContext
@@ -216,3 +216,18 @@ def _drop_a_trainable_gradient(spec, reply):
 def test_evidence_the_checks_cannot_read_is_an_error_result_not_a_traceback():
     result = run_example(InProcessAdapterPool(corrupt=_drop_a_trainable_gradient), FROZEN, impl="single")
     assert not result.ok and result.error is not None and "the checks raised (no verdict)" in result.error, result
+
+
+def test_a_refused_example_is_never_a_pass():
+    assert not ExampleResult(FROZEN, (), refused="fsdp2: 0-d parameter").ok
+
+
+def test_deepspeed_refuses_a_0d_parameter_at_wrap_naming_it():
+    """deepspeed.initialize views every parameter as bytes to broadcast it, which torch refuses for
+    a 0-d tensor: a clear refusal at wrap (the fuzzer and mutants count the model as not run)."""
+    from harness.adapters.deepspeed import DeepSpeed
+
+    model = as_case(FROZEN).build_model()
+    model.register_parameter("gain", torch.nn.Parameter(torch.tensor(1.0)))
+    with pytest.raises(ValueError, match=r"0-d parameter\(s\) \['gain'\]: deepspeed.initialize cannot broadcast"):
+        DeepSpeed().wrap(model, (), RankContext(0, 2, None))

@@ -86,6 +86,11 @@ class DeepSpeed(Adapter):
         return None
 
     def wrap(self, model, wrap_paths, ctx):
+        zero_d = [n for n, p in model.named_parameters() if p.dim() == 0]
+        if zero_d:  # a clear refusal before any collective (the fuzzer counts it as a model not run)
+            raise ValueError(f"0-d parameter(s) {zero_d[:3]}: deepspeed.initialize cannot broadcast them "
+                             f"(its _broadcast_model views every parameter as bytes, which torch refuses for a 0-d "
+                             f"tensor: 'self.dim() cannot be 0 to view Float as Byte'); give them shape (1,)")
         self.world_size = ctx.world_size
         self.device_type = ctx.device.type
         return model  # the engine is built with the optimizer (make_optimizer)

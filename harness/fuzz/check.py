@@ -38,7 +38,8 @@ class ExampleResult:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and not self.violations
+        """Judged and passed: an example that errored or that the implementation refused is not."""
+        return self.error is None and self.refused is None and not self.violations
 
     @property
     def first_divergence(self) -> Violation | None:

@@ -269,6 +269,9 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
         if spec is not None:
             result = run_example(pool, spec, faults, impl)
             print(describe(spec))
+            if result.refused is not None:  # not run, so not judged: never a pass
+                print(f"[fuzz] replay: NOT RUN: impl={impl} refused the model at wrap: {result.refused}")
+                return False
             print("[fuzz] replay: " + (f"pass (margins {_fmt_margins(result.margins)})" if result.ok
                                        else "FAIL\n" + format_failure(result, impl)))
             return result.ok
