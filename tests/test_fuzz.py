@@ -231,3 +231,28 @@ def test_deepspeed_refuses_a_0d_parameter_at_wrap_naming_it():
     model.register_parameter("gain", torch.nn.Parameter(torch.tensor(1.0)))
     with pytest.raises(ValueError, match=r"0-d parameter\(s\) \['gain'\]: deepspeed.initialize cannot broadcast"):
         DeepSpeed().wrap(model, (), RankContext(0, 2, None))
+
+
+def test_a_fuzz_run_whose_every_model_is_refused_judges_nothing_and_is_not_a_pass(monkeypatch):
+    """Every example refused (an implementation that runs none of the drawn models): hypothesis
+    gives up; the fuzzer returns with no example judged (main prints NOT RUN and returns False)."""
+    class RefusingPool(InProcessPool):
+        def collect(self, i: int) -> list[dict]:
+            self._requests.pop(i)
+            return [{"refused": "impl: refuses every model"}]
+
+    class NoReference:  # the parent's replay is beside the point here (and costs a step per draw)
+        def __init__(self, *args) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+    import harness.fuzz.check
+
+    monkeypatch.setattr(harness.fuzz.check, "_Reference", NoReference)
+    monkeypatch.setattr(harness.fuzz.check, "init_state", lambda spec: {})
+    pool = RefusingPool()
+    stats = fuzz(pool, world_size=1, max_examples=5, seed=0)
+    assert stats.num_examples == 0 and not stats.failures
+    assert stats.refusals == {"impl: refuses every model": pool.num_requests} and pool.num_requests > 0

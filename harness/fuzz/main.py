@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 
 from cases.catalog import OptimizerSpec
@@ -202,6 +203,8 @@ def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: 
         prop()
     except _Falsified:
         pass
+    except Unsatisfiable:  # every drawn model refused: stats.num_examples says so (main: NOT RUN)
+        pass
     return stats
 
 
@@ -299,6 +302,9 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
         print(f"[fuzz] largest honest |diff|/tol over passing examples: {_fmt_margins(stats.honest_margins)}")
     if stats.failures:
         print("[fuzz] FAIL: " + format_failure(stats.failures[-1], impl))
+        return False
+    if not stats.num_examples:  # nothing judged is no evidence: never a pass
+        print(f"[fuzz] NOT RUN: impl={impl} refused every drawn model, so no example was judged")
         return False
     print(f"[fuzz] PASS: {stats.num_examples} examples, none failing")
     return True
