@@ -16,7 +16,7 @@ import torch
 from harness.adapters.ours import Ours
 from harness.adapters.registry import resolve_impl
 from harness.judge.diff import CHECK_ORDER, Violation, check_snapshot
-from harness.judge.layouts import assemble_flat
+from harness.judge.layouts import assemble_flat, same_bits
 from harness.fuzz.pool import ExampleError, RankPool
 from harness.fuzz.spec import ModelSpec, as_case, init_state
 from harness.run.plan import Cell
@@ -96,7 +96,7 @@ class _Reference:
         """The shadow of step t + 1 from the ranks' parameters after step t (their init at t = 0)."""
         first, self._first = self._first, None
         if t == 0 and first is not None:
-            if all(n in params_before and _same_bits(params_before[n], self.init[n]) for n in self.sizes):
+            if all(n in params_before and same_bits(params_before[n], self.init[n]) for n in self.sizes):
                 return first
             self.shadow = self._new_shadow()  # the first step moved its optimizer state
         return self._step(t, params_before)
@@ -104,12 +104,6 @@ class _Reference:
     def _step(self, t: int, params_before: dict[str, torch.Tensor]) -> dict:
         batch = self.case.make_batch(self.case.seed, t + 1, self.case.global_batch)
         return self.shadow.step(params_before, batch, self.spec.data_mode, self.spec.world_size)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (torch.equal calls -0.0 and 0.0 equal and NaN unequal to itself)."""
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
 def _no_buffers(reference: _Reference, world_size: int) -> Buffers:

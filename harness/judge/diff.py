@@ -30,6 +30,7 @@ import torch
 
 from cases.catalog import Case, get_case
 from cases.features import DTYPES
+from harness.judge.layouts import first_bit_difference
 from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, sign_counts
 from harness.run.snapshot import digest
 from harness.judge.tolerance import (BIAS_FALSE_ALARM, MAX_MEDIAN_RELATIVE_TOLERANCE, TRAJECTORY_FACTOR,
@@ -267,19 +268,6 @@ def _nonfinite_segments(tensors: list[torch.Tensor]) -> list[int]:
 # are not), each rank through a 52-bit digest of its bytes (harness/run/snapshot.py `digest`).
 
 
-def _first_bit_difference(actual: torch.Tensor, expected: torch.Tensor) -> int | None:
-    """The first element whose bits differ (None: bitwise equal); a shape or dtype mismatch is element 0."""
-    if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        return 0
-    a = actual.detach().contiguous().reshape(-1)
-    e = expected.detach().contiguous().reshape(-1)
-    if a.numel() == 0:
-        return None
-    width = a.element_size()
-    differs = (a.view(torch.uint8).view(-1, width) != e.view(torch.uint8).view(-1, width)).any(dim=1)
-    return int(differs.nonzero()[0].item()) if bool(differs.any()) else None
-
-
 def _item(t: torch.Tensor, index: int) -> float:
     value = t.reshape(-1)[index].item() if t.numel() > index else float("nan")
     return float(value)
@@ -302,7 +290,7 @@ def buffer_violations(kind: str, step: int, evidence: dict, expected: dict[str, 
     columns = digests.t().tolist()
     for j, name in enumerate(names):
         actual, want = values[name], expected[name]
-        index = _first_bit_difference(actual, want)
+        index = first_bit_difference(actual, want)
         stats.add(actual.numel(), 0.0 if index is None else float("inf"))
         if index is not None:
             num = (actual.numel() if actual.shape != want.shape or actual.dtype != want.dtype else
@@ -642,7 +630,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         every_rank = None
         if cell["data_mode"] == "split":
             every_rank = {n for n, b in shadow["buffers"].items()
-                          if n in buffers_before and _first_bit_difference(b, buffers_before[n]) is None}
+                          if n in buffers_before and first_bit_difference(b, buffers_before[n]) is None}
         viol.extend(buffer_violations(kind, step, rec["buffers"], shadow["buffers"], every_rank, stats["buffers"]))
         buffers_before = rec["buffers"]["values"]
 

@@ -48,10 +48,22 @@ def parameter_names(model) -> tuple[dict[str, torch.Size], dict[str, str]]:
     return sizes, aliases
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+def first_bit_difference(actual: torch.Tensor, expected: torch.Tensor) -> int | None:
+    """The first element whose bits differ (None: bitwise equal; a NaN equals the same NaN, -0.0
+    differs from 0.0); a shape or dtype mismatch is element 0. 0-d tensors included."""
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return 0
+    a = actual.detach().contiguous().reshape(-1)
+    e = expected.detach().contiguous().reshape(-1)
+    if a.numel() == 0:
+        return None
+    width = a.element_size()
+    differs = (a.view(torch.uint8).view(-1, width) != e.view(torch.uint8).view(-1, width)).any(dim=1)
+    return int(differs.nonzero()[0].item()) if bool(differs.any()) else None
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return first_bit_difference(a, b) is None
 
 
 def _describe(name: str, layout: dict) -> str:
@@ -113,7 +125,7 @@ def _check_step(rec: dict, layouts: dict, sizes: dict[str, torch.Size], num_rank
         # replicas agree is the replicas check's question, not the layout's.
         full = rec["params"][aliases.get(name, name)]
         piece = assemble_flat(layout, rows, sizes[name])
-        if not _same_bits(piece, full.to(piece.dtype)):
+        if not same_bits(piece, full.to(piece.dtype)):
             bad = (piece.reshape(-1) != full.reshape(-1).to(piece.dtype)).nonzero()
             at = int(bad[0].item()) if bad.numel() else 0
             raise LayoutError(
