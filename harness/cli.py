@@ -172,7 +172,8 @@ def cmd_run(args, argv: list[str]) -> int:
 
     import torch
 
-    from harness.judge.verdict import Judge, Verdict, evaluate
+    from harness.judge.result import Verdict
+    from harness.judge.verdict import Judge, evaluate
 
     plan = _plan_from_args(args)
     baseline = None

@@ -9,8 +9,8 @@ from dataclasses import asdict
 import torch
 
 from cases.catalog import Case, get_case
-from harness.judge.diff import (CHECK_ORDER, CheckStats, DiffStats, OptimizerResult, ReferenceDiverged, Violation,
-                                _coords, compare, flat, owner_of, precision_refusal, reduction_model)
+from harness.judge.diff import CheckStats, DiffStats, OptimizerResult, ReferenceDiverged, _coords, compare, flat, owner_of, precision_refusal, reduction_model
+from harness.judge.result import CHECK_ORDER, Violation
 from harness.judge.tolerance import (TRAJECTORY_FACTOR, OptimizerErrorState, ReductionModel, clip_coefficient_error,
                                      sign_test_threshold, unit_roundoff)
 

@@ -10,7 +10,7 @@ import csv
 from pathlib import Path
 
 from cases.catalog import get_case
-from harness.judge.diff import CHECK_ORDER
+from harness.judge.result import CHECK_ORDER
 
 
 # Checks with a tolerance: steps.csv names, per step, the element nearest it (harness/report/build.py), so

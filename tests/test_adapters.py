@@ -17,7 +17,8 @@ import torch.distributed as dist
 from cases.catalog import get_case
 from harness.adapters import FSDP1, Adapter, Padding, RankContext, RawShard
 from harness.adapters.registry import resolve_impl
-from harness.judge.diff import Violation, check_snapshot
+from harness.judge.diff import check_snapshot
+from harness.judge.result import Violation
 from harness.judge.layouts import LayoutError, check_layouts
 from harness.run.evidence import model_parameters
 from harness.run.orchestrate import write_init_states

@@ -19,7 +19,8 @@ from harness import cli
 from harness.judge import diff
 from harness.ci.baseline import BaselineRefused, BaselineResult, _check_digests, load_baseline
 from harness.report.environment import baseline_key
-from harness.judge.diff import DiffStats, OptimizerResult, Violation
+from harness.judge.diff import DiffStats, OptimizerResult
+from harness.judge.result import Violation
 from harness.adapters import RankContext
 from harness.run.orchestrate import write_init_states
 from harness.run.outcome import RunOutcome
@@ -198,10 +199,10 @@ def _nonfinite_report(monkeypatch, tmp_path):
     violation = Violation("sgd", 2, "nonfinite", "layers.0.weight", inf, nan, 1e-6, nan, 0.25, index=3, coords=(0, 3),
                           rank=1)
     bad = CellResult(bad_cell, "fail", {"sgd": OptimizerResult(
-        "sgd", [violation], {"loss": 0.1, "grad": nan, "param": inf},
-        {"loss": DiffStats(nan, nan, 0, 1, 1), "grad": DiffStats(inf, inf, 7, 3, 10)},
-        [{"optimizer": "sgd", "step": 2, "quantity": "grad", "max_abs": nan, "bitwise_equal": False}])})
-    good = CellResult(good_cell, "pass", {"sgd": OptimizerResult("sgd", [], {"loss": 0.1}, {"loss": DiffStats(0, 0, 0, 0, 1)})})
+        "sgd", violations=[violation], margins={"loss": 0.1, "grad": nan, "param": inf},
+        trajectory={"loss": DiffStats(nan, nan, 0, 1, 1), "grad": DiffStats(inf, inf, 7, 3, 10)},
+        per_step=[{"optimizer": "sgd", "step": 2, "quantity": "grad", "max_abs": nan, "bitwise_equal": False}])})
+    good = CellResult(good_cell, "pass", {"sgd": OptimizerResult("sgd", margins={"loss": 0.1}, trajectory={"loss": DiffStats(0, 0, 0, 0, 1)})})
     ref = CellResult(plan.references[0], "pass")
     matrix = Matrix("mlp", "ours", "identical", "sgd", ("ref", "2"), ((0.0, nan), (inf, 0.0)))
     outcome = RunOutcome(plan, wall_s=1.0)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from cases.catalog import get_case
-from harness.judge.diff import CHECK_ORDER, Violation, check_snapshot
+from harness.judge.diff import check_snapshot
+from harness.judge.result import CHECK_ORDER, Violation
 from harness.adapters import RankContext
 from harness.run.orchestrate import write_init_states
 from harness.run.plan import build_plan

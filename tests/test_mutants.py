@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.judge.diff import Violation
+from harness.judge.result import Violation
 from harness.ci.mutants import HONEST, Evidence, MutantRow, case_table, corpus, table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,8 +23,8 @@ def _violation(check: str, ratio: float, step: int = 1) -> Violation:
 
 def test_a_mutant_is_caught_by_any_failing_run_and_reports_its_gate_evidence_first():
     row = MutantRow("m", "a bug", [
-        Evidence("gate mlp.ours.w2.split.m", [_violation("param", 3.0, step=2)]),
-        Evidence("fuzz tied_accum W=2", [_violation("grad", 1e5)]),
+        Evidence("gate mlp.ours.w2.split.m", violations=[_violation("param", 3.0, step=2)]),
+        Evidence("fuzz tied_accum W=2", violations=[_violation("grad", 1e5)]),
         Evidence("gate mlp.ours.w2.identical.m", margins={"grad": 0.1}),
     ])
     assert row.caught and row.check() == "param" and row.ratio() == 3.0
@@ -81,8 +81,8 @@ def test_one_mutant_is_caught_and_the_table_is_written(tmp_path):
 
 def test_the_per_case_table_counts_a_fault_that_cannot_act_as_not_applicable():
     caught = MutantRow("no_grad_average", "a bug", [
-        Evidence("gate gpt2.ours.w2.split.no_grad_average", [_violation("grad", 50.0)]),
-        Evidence("gate gpt2.ours.w2.identical.no_grad_average", [_violation("param", 2.0)]),
+        Evidence("gate gpt2.ours.w2.split.no_grad_average", violations=[_violation("grad", 50.0)]),
+        Evidence("gate gpt2.ours.w2.identical.no_grad_average", violations=[_violation("param", 2.0)]),
         Evidence("gate llama.ours.w2.split.no_grad_average", margins={"grad": 0.1})])
     text, ok = case_table([caught], ("gpt2", "llama"))
     assert "| no_grad_average | yes: grad 50 (2/2 cells) | NO (0/1 cells) |" in text and not ok, text

@@ -21,7 +21,8 @@ import yaml
 from junitparser import Error, Failure, JUnitXml, Skipped
 
 from harness.ci.baseline import FORMAT, BaselineRefused, BaselineResult, environment_key, load_baseline
-from harness.judge.diff import CHECK_ORDER, DiffStats, OptimizerResult, Violation
+from harness.judge.diff import DiffStats, OptimizerResult
+from harness.judge.result import CHECK_ORDER, Violation
 from harness.ci.gate import add_gate_files
 from harness.run.outcome import RunOutcome
 from harness.run.plan import Cell, build_plan
@@ -57,8 +58,9 @@ def _optimizer(kind: str, grad_margins: list[float], violations=(), loss_offset:
                  "num_diff": 0, "numel": 10, "bitwise_equal": True}
                 for s in range(1, STEPS + 1) for q in ("loss", "grad", "param")]
     margins = {"grad": max(grad_margins), "param": 0.1, "trajectory": 0.1}
-    return OptimizerResult(kind, list(violations), {**{c: 0.0 for c in CHECK_ORDER}, **margins},
-                           {"loss": DiffStats(0.0, 0.0, 0, 0, 1)}, per_step, _checks(**margins), step_checks, losses)
+    return OptimizerResult(kind, violations=list(violations), margins={**{c: 0.0 for c in CHECK_ORDER}, **margins},
+                           trajectory={"loss": DiffStats(0.0, 0.0, 0, 0, 1)}, per_step=per_step,
+                           checks=_checks(**margins), step_checks=step_checks, losses=losses)
 
 
 def _report(tmp_path, **plan_kwargs):

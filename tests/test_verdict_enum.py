@@ -1,4 +1,4 @@
-"""Verdicts are an Enum (harness/judge/verdict.py `Verdict`): a misspelt verdict raises where it is
+"""Verdicts are an Enum (harness/judge/result.py `Verdict`): a misspelt verdict raises where it is
 made, instead of reading as 'not pass' in one module and 'not fail' in another; on disk it is the
 plain string every report, CSV and JUnit consumer already reads."""
 
@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
-from harness.judge.verdict import CellResult, Verdict
+from harness.ci.mutants import Evidence
+from harness.fuzz.check import ExampleResult
+from harness.judge.diff import OptimizerResult
+from harness.judge.result import Judgement, Verdict, Violation
+from harness.judge.verdict import CellResult
 
 
 def test_a_misspelt_verdict_is_refused_when_made_and_when_set():
@@ -28,3 +33,25 @@ def test_a_verdict_reads_and_writes_as_its_string():
     assert json.dumps({"verdict": result.verdict}) == '{"verdict": "fail"}'
     assert f"{result.verdict}" == str(result.verdict) == "fail" and f"{result.verdict:>6}" == "  fail"
     assert [v.value for v in Verdict] == ["pass", "fail", "error"]
+
+
+def _violation(ratio: float, step: int = 1, check: str = "grad") -> Violation:
+    return Violation("sgd", step, check, "w", ratio, 1.0, 1.0, 2.0, 1.0)
+
+
+@pytest.mark.parametrize("result_type", ["OptimizerResult", "ExampleResult", "Evidence"])
+def test_every_verb_reads_one_judgement(result_type):
+    """The judge's run of a cell, a fuzz example and a mutants run are one type (Judgement): an
+    error outranks any violation, a violation fails, the first divergence is the earliest step's
+    first check, and a NaN ratio is the worst, whichever order the violations come in."""
+    make = {"OptimizerResult": lambda **kw: OptimizerResult("sgd", **kw),
+            "ExampleResult": lambda **kw: ExampleResult(None, (), **kw),
+            "Evidence": lambda **kw: Evidence("gate c", **kw)}[result_type]
+    assert isinstance(make(), Judgement)
+    assert make(margins={"grad": 0.3}).verdict is Verdict.PASS
+    late, early, nan = _violation(9.0, step=2), _violation(1.5, step=1, check="param"), _violation(math.nan)
+    assert make(violations=[late, early]).verdict is Verdict.FAIL
+    assert make(violations=[late, early]).first_divergence is early
+    assert make(violations=[late], error="rank 1 died").verdict is Verdict.ERROR
+    assert math.isnan(make(violations=[late, nan]).max_ratio) and math.isnan(make(violations=[nan, late]).max_ratio)
+    assert make(margins={"grad": 0.3, "param": 0.7}).max_ratio == 0.7

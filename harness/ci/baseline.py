@@ -54,7 +54,7 @@ from harness.errors import PlanError
 from harness.run.plan import RunPlan
 from harness.run.snapshot import load_snapshot, snapshot_path, write_atomic_text
 from harness.judge.diff import StepBounds
-from harness.judge.verdict import Verdict
+from harness.judge.result import Verdict
 from harness.report.environment import BASELINE_KEY_FIELDS, baseline_key, plan_environment
 
 FORMAT = "fsdp-equiv-baseline/3"  # /2: the key gained cuda and gpu; /3: module buffers

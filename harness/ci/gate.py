@@ -16,7 +16,7 @@ from xml.etree import ElementTree as ET
 
 from harness.ci.baseline import BaselineResult
 from harness.report.junit import MAX_FAILURE_LINES, add_cell_outcome, add_testcase, recount
-from harness.judge.verdict import Verdict
+from harness.judge.result import Verdict
 from harness.report.build import Report
 
 

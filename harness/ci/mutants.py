@@ -25,8 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cases.catalog import CASES, OptimizerSpec
-from harness.judge.diff import BOUNDED, JUDGED, Violation
-from harness.judge.verdict import Verdict
+from harness.judge.result import BOUNDED, JUDGED, Judgement, Verdict, first_of
 from harness.errors import UserError
 from harness.fuzz.check import ExampleResult, run_example
 from harness.fuzz.pool import PoolConfig, RankPool
@@ -103,13 +102,10 @@ def corpus(world_size: int) -> dict[str, ModelSpec]:
 
 
 @dataclass
-class Evidence:
-    """One run (gate cell or corpus model) of one mutant."""
+class Evidence(Judgement):
+    """The judgement of one run (gate cell or corpus model) of one mutant."""
 
     source: str  # 'gate <cell id>' or 'fuzz <corpus name> W=<w>'
-    violations: list[Violation] = field(default_factory=list)
-    margins: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
 
     @property
     def not_applicable(self) -> bool:
@@ -119,10 +115,6 @@ class Evidence:
     @property
     def failed(self) -> bool:
         return (self.error is not None and not self.not_applicable) or bool(self.violations)
-
-    @property
-    def first(self) -> Violation | None:
-        return min(self.violations, key=Violation.sort_key) if self.violations else None
 
 
 @dataclass
@@ -163,9 +155,9 @@ class MutantRow:
         e = self.strongest()
         if e is None:
             return "-"
-        if e.first is None:
+        if e.first_divergence is None:
             return "crash"
-        return e.first.check
+        return e.first_divergence.check
 
     def ratio(self, checks: tuple[str, ...] = BOUNDED) -> float:
         """|diff| / tol of the first divergence of its strongest evidence; for an honest row the
@@ -175,15 +167,15 @@ class MutantRow:
         e = self.strongest()
         if e is None:
             return max((e.margins.get(c, 0.0) for e in self.evidence for c in JUDGED), default=0.0)
-        return e.first.ratio if e.first is not None else math.inf
+        return e.first_divergence.ratio if e.first_divergence is not None else math.inf
 
     def first_divergence(self) -> str:
         e = self.strongest()
         if e is None:
             return ""
-        if e.first is None:
+        if e.first_divergence is None:
             return f"{e.source}: " + (e.error or "").strip().splitlines()[-1][:200]
-        return e.first.describe(e.source)
+        return e.first_divergence.describe(e.source)
 
 
 def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float, world_sizes: tuple[int, ...],
@@ -217,10 +209,10 @@ def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float, world_siz
     for r in results:
         key = r.cell.faults[0] if r.cell.faults else HONEST
         by_fault.setdefault(key, []).append(
-            Evidence(f"gate {r.cell.cell_id}", r.violations, r.margins(), r.error))
+            Evidence(source=f"gate {r.cell.cell_id}", violations=r.violations, margins=r.margins, error=r.error))
     for r in references:
         if r.verdict != Verdict.PASS:  # a broken reference spoils every comparison: report it as honest failure
-            by_fault.setdefault(HONEST, []).append(Evidence(f"gate {r.cell.cell_id}", r.violations, {}, r.error))
+            by_fault.setdefault(HONEST, []).append(Evidence(source=f"gate {r.cell.cell_id}", violations=r.violations, error=r.error))
     return by_fault
 
 
@@ -249,7 +241,7 @@ def _corpus_evidence(out_dir: Path, faults: list[str], world_sizes: tuple[int, .
                     if res.refused is not None:  # the implementation refuses this model at wrap: no run
                         continue
                     by_fault.setdefault(fault, []).append(
-                        Evidence(f"fuzz {name} W={w}", res.violations, res.margins, res.error))
+                        Evidence(source=f"fuzz {name} W={w}", violations=res.violations, margins=res.margins, error=res.error))
     return by_fault
 
 
@@ -301,7 +293,7 @@ def case_table(rows: list[MutantRow], arch_cases: tuple[str, ...]) -> tuple[str,
             if not failed:
                 entries.append(f"NO (0/{len(runs)} cells)")
                 continue
-            first = min((e.first for e in failed if e.first is not None), key=Violation.sort_key, default=None)
+            first = first_of([e.first_divergence for e in failed if e.first_divergence is not None])
             what = "crash" if first is None else f"{first.check} {_fmt_ratio(first.ratio)}"
             entries.append(f"yes: {what} ({len(failed)}/{len(runs)} cells)")
         label = f"{HONEST} (honest)" if row.mutant == HONEST else row.mutant

@@ -15,7 +15,8 @@ import torch
 
 from harness.adapters.ours import Ours
 from harness.adapters.registry import resolve_impl
-from harness.judge.diff import CHECK_ORDER, Violation, check_snapshot
+from harness.judge.diff import check_snapshot
+from harness.judge.result import Judgement, Verdict
 from harness.judge.layouts import assemble_flat, same_bits
 from harness.fuzz.pool import ExampleError, RankPool
 from harness.fuzz.spec import ModelSpec, as_case, init_state
@@ -25,32 +26,19 @@ from harness.judge.shadow import Shadow
 
 
 @dataclass
-class ExampleResult:
+class ExampleResult(Judgement):
+    """The judgement of one drawn model's run (error: a rank raised, died or hung)."""
+
     spec: ModelSpec
     faults: tuple[str, ...]
-    violations: list[Violation] = field(default_factory=list)
-    margins: dict[str, float] = field(default_factory=dict)  # check -> max |diff| / tol
-    error: str | None = None  # a rank raised, died or hung
     refused: str | None = None  # the implementation refused the model with a clear ValueError at wrap
     rank_s: float = 0.0  # the slowest rank's time on the example (training and snapshots)
-    checks: dict[str, dict] = field(default_factory=dict)  # check -> what it compared (CheckStats.summary)
     aligned_numels: dict[str, int] = field(default_factory=dict)  # flat key -> numel the sharding divides
 
     @property
     def ok(self) -> bool:
         """Judged and passed: an example that errored or that the implementation refused is not."""
-        return self.error is None and self.refused is None and not self.violations
-
-    @property
-    def first_divergence(self) -> Violation | None:
-        return min(self.violations, key=Violation.sort_key) if self.violations else None
-
-    @property
-    def max_ratio(self) -> float:
-        """The largest |diff| / tol of the checks that judged (inf for an exact check broken)."""
-        if self.violations:
-            return max(v.ratio for v in self.violations)
-        return max((self.margins.get(c, 0.0) for c in CHECK_ORDER), default=0.0)
+        return self.verdict is Verdict.PASS and self.refused is None
 
     def summary(self) -> str:
         if self.error is not None:
@@ -195,8 +183,8 @@ def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = (), i
     except ValueError as e:  # evidence that contradicts itself (ReferenceDiverged included): no verdict
         return ExampleResult(spec, faults, error=f"the checks raised (no verdict): {type(e).__name__}: {e}")
     missing = sorted(set(reference.sizes) - set(names))
-    out = ExampleResult(spec, faults, result.violations, result.margins,
-                        rank_s=max(float(r.get("rank_s", 0.0)) for r in replies), checks=result.checks,
+    out = ExampleResult(spec, faults, violations=result.violations, margins=result.margins, checks=result.checks,
+                        rank_s=max(float(r.get("rank_s", 0.0)) for r in replies),
                         aligned_numels={lay["flat_key"]: lay["aligned_numel"] for lay in snap["layouts"].values()})
     if missing:  # a parameter the shards never mention is evidence lost, not a pass
         out.error = f"parameters missing from every rank's shards: {missing}"

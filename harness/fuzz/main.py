@@ -23,7 +23,7 @@ from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 
 from cases.catalog import OptimizerSpec
-from harness.judge.diff import JUDGED
+from harness.judge.result import JUDGED
 from harness.errors import UserError
 from harness.fuzz.check import ExampleResult, run_example
 from harness.fuzz.pool import PoolConfig, RankPool

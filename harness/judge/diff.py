@@ -25,21 +25,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import reduce
 
 import torch
 
 from cases.catalog import Case, get_case
 from cases.features import DTYPES
 from harness.judge.layouts import first_bit_difference
+from harness.judge.result import CHECK_ORDER, Judgement, Violation, nan_max
 from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, sign_counts
 from harness.run.snapshot import digest
-from harness.judge.tolerance import (BIAS_FALSE_ALARM, MAX_MEDIAN_RELATIVE_TOLERANCE, TRAJECTORY_FACTOR,
+from harness.judge.tolerance import (MAX_MEDIAN_RELATIVE_TOLERANCE, TRAJECTORY_FACTOR,
                                OptimizerErrorState, ReductionModel, clip_coefficient_error, sign_test_threshold,
                                unit_roundoff)
 
-CHECK_ORDER = ("nonfinite", "init", "loss", "buffers", "grad", "param", "bias", "replicas", "padding", "trajectory")
-BOUNDED = ("grad", "param", "trajectory")  # a worst-case bound or an envelope: honest margins stay below 1 (docs/error_model.md)
-JUDGED = ("grad", "param", "bias", "trajectory")  # the checks with a non-zero tolerance (bias: a sign test)
 
 
 class ReferenceDiverged(ValueError):
@@ -62,11 +61,7 @@ class DiffStats:
     def merge(stats: list[DiffStats]) -> DiffStats:
         if not stats:
             return DiffStats(0.0, 0.0, 0, 0, 0)
-        def nan_max(values):  # a NaN anywhere is the worst value, in any order
-            values = list(values)
-            return float("nan") if any(v != v for v in values) else max(values)
-
-        return DiffStats(nan_max(s.max_abs for s in stats), nan_max(s.max_rel for s in stats),
+        return DiffStats(reduce(nan_max, (s.max_abs for s in stats)), reduce(nan_max, (s.max_rel for s in stats)),
                          max(s.max_ulp for s in stats), sum(s.num_diff for s in stats),
                          sum(s.numel for s in stats))
 
@@ -102,73 +97,6 @@ def compare(actual: torch.Tensor, expected: torch.Tensor) -> DiffStats:
     )
 
 
-@dataclass(frozen=True)
-class Violation:
-    """One element beyond its tolerance: the evidence for a failing check."""
-
-    optimizer: str
-    step: int  # 0: initial parameters
-    check: str  # one of CHECK_ORDER
-    name: str  # original parameter name, '<loss>', or '<unit>/<flat param>' for padding
-    ratio: float  # |diff| / tol (inf when tol is 0)
-    abs_diff: float
-    tol: float
-    actual: float
-    expected: float
-    index: int | None = None  # flat index into the parameter (or into the rank's shard)
-    coords: tuple[int, ...] | None = None
-    rank: int | None = None  # the rank whose shard holds the element (None: replicated)
-    in_padding: bool = False
-    num_violating: int = 1  # elements of this tensor beyond tolerance (bias: the elements counted)
-    statistic: str | None = None  # bias: BIAS_STATISTICS key of the tilted count
-
-    def sort_key(self) -> tuple:
-        return (self.step, CHECK_ORDER.index(self.check), -self.ratio)
-
-    def describe(self, cell_id: str) -> str:
-        where = f"'{self.name}'"
-        if self.index is not None:
-            where += f"[{self.index}]"
-            if self.coords is not None:
-                where += f" at {self.coords}"
-        if self.check == "replicas":
-            return (f"{cell_id} optimizer={self.optimizer} step={self.step} replicas: {where}: rank {self.rank}'s "
-                    f"full tensor differs bitwise from the other ranks' (replicas must be identical)")
-        if self.check == "buffers":
-            what = ("the reference model's as built" if self.step == 0
-                    else "what the replay's forward made of the buffers before the step")
-            values = ("" if self.index is None else
-                      f": actual={self.actual!r} expected={self.expected!r} ({self.num_violating} element(s) differ)")
-            return (f"{cell_id} optimizer={self.optimizer} step={self.step} buffers: buffer {where} on rank "
-                    f"{self.rank} differs bitwise from {what}{values}")
-        if self.check == "bias":
-            count = round(self.actual * self.num_violating)
-            return (f"{cell_id} optimizer={self.optimizer} step={self.step} bias: {where}: {count} of its "
-                    f"{self.num_violating} differing elements {BIAS_STATISTICS[self.statistic]} "
-                    f"(honest rounding: half, +-{self.tol:.3g} at false-alarm probability {BIAS_FALSE_ALARM:g}); "
-                    f"|count - n/2| = {self.abs_diff:.3g} (ratio {self.ratio:.3g})")
-        if self.check == "loss":
-            owner = f"on rank {self.rank}"
-        else:
-            owner = "replicated on every rank" if self.rank is None else f"in rank {self.rank}'s shard"
-        pad = " (padding)" if self.in_padding else ""
-        return (f"{cell_id} optimizer={self.optimizer} step={self.step} {self.check}: {where} {owner}{pad}: "
-                f"actual={self.actual:.9g} expected={self.expected:.9g} |diff|={self.abs_diff:.3g} "
-                f"> tol={self.tol:.3g} (ratio {self.ratio:.3g}, {self.num_violating} element(s))"
-                if self.check != "nonfinite" else
-                f"{cell_id} optimizer={self.optimizer} step={self.step} nonfinite: {where} {owner}{pad}: "
-                f"actual={self.actual!r} is not finite ({self.num_violating} element(s))")
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["coords"] = list(self.coords) if self.coords is not None else None
-        for key in ("ratio", "abs_diff", "tol", "actual", "expected"):
-            value = d[key]
-            if value != value or value in (float("inf"), float("-inf")):
-                d[key] = str(value)  # JSON has no NaN/Inf
-        return d
-
-
 def owner_of(layout: dict | None, size: torch.Size, index: int) -> int | None:
     if not layout or layout["kind"] == "replicated":
         return None
@@ -199,12 +127,6 @@ def flat(tensors: dict[str, torch.Tensor], order: dict | None = None) -> torch.T
 def _failing_violation(optimizer, step, check, name, size: torch.Size, layout, f: Failing) -> Violation:
     return Violation(optimizer, step, check, name, f.ratio, f.abs_diff, f.tol, f.actual, f.expected, f.index,
                      _coords(size, f.index), owner_of(layout, size, f.index), False, f.num_violating)
-
-
-BIAS_STATISTICS = {
-    "upward": "differ upward (a shift)",
-    "along_gradient": "differ in the direction of the gradient (a scale error, or a term added or dropped)",
-}
 
 
 def _bias_violation(optimizer, step, name, counts: SignCounts) -> Violation | None:
@@ -361,17 +283,16 @@ class CheckStats:
 
 
 @dataclass
-class OptimizerResult:
+class OptimizerResult(Judgement):
+    """The judgement of one optimizer's run of one cell, with what the report draws of it."""
+
     optimizer: str
-    violations: list[Violation] = field(default_factory=list)
-    margins: dict[str, float] = field(default_factory=dict)  # check -> max |diff| / tol
     trajectory: dict[str, DiffStats] = field(default_factory=dict)  # quantity -> vs reference
     per_step: list[dict] = field(default_factory=list)
-    checks: dict[str, dict] = field(default_factory=dict)  # check -> CheckStats.summary()
     step_checks: list[dict] = field(default_factory=list)  # per step and check: margin, |diff|, tol
     losses: list[dict] = field(default_factory=list)  # per step: mean loss of cell, replay, reference
-    error: str | None = None  # the cell cannot be verified (precision too low to judge)
     stopped_after: int | None = None  # the last step judged when the cell went non-finite earlier
+    # error (Judgement): the cell cannot be verified (precision too low to judge)
 
 
 def reduction_model(case: Case, world_size: int) -> ReductionModel:

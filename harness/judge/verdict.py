@@ -8,8 +8,6 @@ checks raised. Every cell of the plan gets a row.
 
 from __future__ import annotations
 
-import enum
-import math
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from cases.catalog import get_case
-from harness.judge.diff import DiffStats, OptimizerResult, ReferenceDiverged, Violation, check_snapshot, flat
+from harness.judge.diff import DiffStats, OptimizerResult, ReferenceDiverged, check_snapshot, flat
+from harness.judge.result import Verdict, Violation, first_of, nan_max
 from harness.judge.layouts import LayoutError, check_layouts, parameter_names
 from harness.run.evidence import (EvidenceError, check_same_steps, check_snapshot_evidence, model_buffers,
                                   model_parameters)
@@ -26,24 +25,11 @@ from harness.run.plan import Cell, RunPlan
 from harness.run.snapshot import load_buffers, load_snapshot, load_state, snapshot_path
 
 
-class Verdict(str, enum.Enum):
-    """A cell's (and a run's) verdict. A str, so JSON, CSV and JUnit carry its value ('pass');
-    made from a string it must be one of these, so a misspelt verdict raises instead of reading
-    as 'not pass' somewhere and 'not fail' somewhere else."""
-
-    PASS = "pass"
-    FAIL = "fail"
-    ERROR = "error"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:  # f-strings show the value on every Python version
-        return format(self.value, spec)
-
-
 @dataclass
 class CellResult:
+    """A cell's verdict and the Judgement of each of its optimizers' runs (harness/judge/result.py):
+    its violations, first divergence and margins are theirs together."""
+
     cell: Cell
     verdict: Verdict
     optimizers: dict[str, OptimizerResult] = field(default_factory=dict)
@@ -58,24 +44,19 @@ class CellResult:
 
     @property
     def first_divergence(self) -> Violation | None:
-        violations = self.violations
-        return violations[0] if violations else None
+        return first_of(self.violations)
 
     def trajectory(self) -> DiffStats | None:
         stats = [s for r in self.optimizers.values() for s in r.trajectory.values()]
         return DiffStats.merge(stats) if stats else None
 
+    @property
     def margins(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for r in self.optimizers.values():
             for check, value in r.margins.items():
                 out[check] = nan_max(out.get(check, 0.0), value)
         return out
-
-
-def nan_max(a: float, b: float) -> float:
-    """max that keeps a NaN (the built-in max keeps or drops it depending on the order)."""
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 @dataclass(frozen=True)

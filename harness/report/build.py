@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from harness.judge.diff import CHECK_ORDER
+from harness.judge.result import CHECK_ORDER, Verdict
 from harness.report.environment import plan_environment
 from harness.run.outcome import RunOutcome
 from harness.judge.tolerance import TRAJECTORY_FACTOR
-from harness.judge.verdict import CellResult, Matrix, Verdict
+from harness.judge.verdict import CellResult, Matrix
 
 EXACT_CHECKS = ("nonfinite", "init", "loss", "buffers", "replicas", "padding")  # tolerance 0: a violation is the failure
 
@@ -77,7 +77,7 @@ def first_check(r: CellResult) -> str:
 def cell_row(r: CellResult) -> dict:
     traj = r.trajectory()
     first = r.first_divergence
-    margins = r.margins()
+    margins = r.margins
     return {
         "case": r.cell.case, "impl": r.cell.impl, "world_size": r.cell.world_size, "data": r.cell.data_mode,
         "verdict": r.verdict,

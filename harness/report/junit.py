@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from xml.etree import ElementTree as ET
 
-from harness.judge.verdict import Verdict
+from harness.judge.result import Verdict
 from harness.report.build import Report
 
 MAX_FAILURE_LINES = 20

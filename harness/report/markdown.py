@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.judge.diff import JUDGED
-from harness.judge.verdict import Verdict
+from harness.judge.result import JUDGED, Verdict
 from harness.report.build import Report, fmt_value, cell_row, error_model_rows, first_check
 from harness.report.view import case_views, cell_label, margin_text, skipped_groups, verdict_counts
 from harness.judge.tolerance import TRAJECTORY_FACTOR

@@ -18,7 +18,8 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from harness.report.view import CaseView, cell_label
 from harness.judge.tolerance import TRAJECTORY_FACTOR
-from harness.judge.verdict import CellResult, Verdict
+from harness.judge.result import Verdict
+from harness.judge.verdict import CellResult
 
 WORLD_SIZE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
 IMPL_STYLES = ("-", "--", ":", "-.")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.judge.diff import CHECK_ORDER, JUDGED
+from harness.judge.result import CHECK_ORDER, JUDGED, Verdict
 from harness.report.build import Report
-from harness.judge.verdict import CellResult, Verdict
+from harness.judge.verdict import CellResult
 
 # |diff| / tol bands: honest runs stay below NEAR; up to 1 passes near the bound; above fails.
 NEAR = 0.5
@@ -62,7 +62,7 @@ def skipped_groups(report: Report) -> list[dict]:
 
 def worst_judged(r: CellResult) -> tuple[str, float | None]:
     """(check, margin) of the judged check nearest or furthest past its tolerance."""
-    margins = r.margins()
+    margins = r.margins
     found = [(c, margins[c]) for c in JUDGED if c in margins]
     if not found:
         return "", None
@@ -72,7 +72,7 @@ def worst_judged(r: CellResult) -> tuple[str, float | None]:
 def check_margins(r: CellResult) -> dict[str, float | None]:
     """Per check of CHECK_ORDER: its margin over all steps and optimizers; an exact check is 0 when
     it found nothing and inf when it failed; None when the cell compared nothing for it."""
-    margins = r.margins()
+    margins = r.margins
     out: dict[str, float | None] = {}
     for check in CHECK_ORDER:
         compared = any(o.checks.get(check, {}).get("elements", 0) > 0 for o in r.optimizers.values())
