@@ -15,6 +15,7 @@ import torch
 from filelock import FileLock
 
 from cases.catalog import _FEATURE_CASES, get_case
+from harness.run.orchestrate import EXIT_GRACE_S
 from judged import assert_judged
 
 REPO = Path(__file__).resolve().parent.parent
@@ -500,7 +501,8 @@ def _processes_mentioning(text: str) -> list[int]:
 @pytest.mark.parametrize("plugin, timeout_s, evidence", [
     ("RaiseInDestroyOnRank1", 300, "[rank 1] RuntimeError: planted failure: rank 1 raises in destroy_process_group"),
     ("ExitNonZeroAtExitOnRank1", 300, "exitcode  : 3"),
-    ("HangAtExitOnRank1", 180, "_hang_at_exit"),  # the stack faulthandler dumped at the timeout
+    # the stack faulthandler dumped when the exit grace ran out, long before --timeout
+    ("HangAtExitOnRank1", 300, "_hang_at_exit"),
 ])
 def test_a_rank_failing_after_its_last_snapshot_errors_every_cell_of_its_launch(tmp_path, plugin, timeout_s, evidence):
     out = tmp_path / "out"
@@ -515,6 +517,8 @@ def test_a_rank_failing_after_its_last_snapshot_errors_every_cell_of_its_launch(
     assert cell["verdict"] == "error" and summary["references"][0]["verdict"] == "error"
     assert "every cell of this launch had completed when it failed" in cell["error"], cell["error"][-2000:]
     assert evidence in cell["error"], cell["error"][-3000:]
+    if plugin == "HangAtExitOnRank1":
+        assert f"did not exit within {EXIT_GRACE_S:g} s of the last cell's completion" in cell["error"]
     junit = (out / "junit.xml").read_text()
     assert 'errors="1"' in junit and "every cell of this launch had completed" in junit
     assert _processes_mentioning(str(out)) == []

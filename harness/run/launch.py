@@ -141,16 +141,17 @@ class Launch:
         return head + "\n" + failure_blocks(self.rank_logs(), self.launcher_output(), stacks=True)
 
     def run(self, on_poll: Callable[[], None] | None = None,
-            elapsed: Callable[[], float] | None = None) -> LaunchResult:
+            overdue: Callable[[float], bool] | None = None) -> LaunchResult:
         """Start, wait for the end or the timeout (stacks dumped), kill what is left; never raises
-        for a rank's failure. `elapsed`: the seconds counted against the timeout (default: since
-        the start; a launch of several world sizes counts from the start of the current one)."""
+        for a rank's failure. `overdue(timeout_s)`: whether the launch has run past its timeout
+        (default: the seconds since the start exceed it; a launch of several world sizes counts
+        from the start of the current one, and gives ranks whose work is done a shorter time to exit)."""
         self.start()
         timed_out = False
-        elapsed = elapsed or (lambda: time.monotonic() - self.started_at)
+        overdue = overdue or (lambda timeout_s: time.monotonic() - self.started_at > timeout_s)
         try:
             while self.poll() is None:
-                if self.spec.timeout_s is not None and elapsed() > self.spec.timeout_s:
+                if self.spec.timeout_s is not None and overdue(self.spec.timeout_s):
                     timed_out = True
                     self.dump_stacks()
                     break
@@ -185,7 +186,7 @@ def launch(
     cells: tuple[Cell, ...],
     label: str,
     on_poll: Callable[[], None] | None = None,
-    elapsed: Callable[[], float] | None = None,
+    overdue: Callable[[float], bool] | None = None,
 ) -> LaunchResult:
     """Run `cells` in one torchrun of `world_size` ranks (harness/run/worker.py; cells of smaller
     world sizes run in the ranks below theirs); never raises for a rank's failure."""
@@ -195,7 +196,7 @@ def launch(
     write_launch_plan(plan_file, plan, world_size, cells)
     spec = TorchrunSpec(world_size, "harness.run.worker", (str(plan_file),), log_dir, plan.timeout_s, plan.threads,
                         plan.extra_pythonpath)
-    result = Launch(spec).run(on_poll, elapsed)
+    result = Launch(spec).run(on_poll, overdue)
     return dataclasses.replace(result, cell_ids=tuple(c.cell_id for c in cells))
 
 

@@ -9,7 +9,9 @@ Each world size's process group is a fresh W-rank world, as in a launch of W ran
 adapters that build meshes over the world need nothing else; tests/test_harness_runs.py checks
 that every cell's evidence is bitwise that of a launch of its own (--launch-per-cell).
 --timeout applies to each world size: counted from the launch's start for the first, from the
-completion of the previous world size's last cell for the others. An adapter whose library keeps
+completion of the previous world size's last cell for the others. Once every cell of a launch is
+complete its ranks have EXIT_GRACE_S (or --timeout, if shorter) to exit: a rank that hangs at exit
+(in destroy_process_group, in an atexit hook) costs a minute, not a whole --timeout. An adapter whose library keeps
 process-wide state across process groups (`Adapter.process_per_world`: DeepSpeed caches groups and
 counts module ids per process) gets a launch per world size after the shared one.
 
@@ -131,26 +133,37 @@ def _runs_at(plan: RunPlan, cell: Cell) -> int:
     return plan.world_sizes[0] if cell.is_reference else cell.world_size
 
 
+EXIT_GRACE_S = 60.0  # seconds a launch's ranks have to exit once every cell of it is complete
+
+
 class _WorldSizeClock:
-    """Seconds the current world size of a launch has run: since the launch started for the first,
-    since the previous world size's last cell completed for the others."""
+    """Whether a launch has run past its timeout: the current world size counted since the launch
+    started for the first, since the previous world size's last cell completed for the others;
+    once every cell is complete, the exit counted since then against EXIT_GRACE_S."""
 
     def __init__(self, plan: RunPlan, cells: list[Cell]) -> None:
         self.plan, self.cells = plan, cells
         self.done = 0  # cells[:done] are complete
         self.world_size = _runs_at(plan, cells[0]) if cells else 0
         self.since = time.monotonic()
+        self.exiting = False  # every cell complete: the ranks are exiting
 
     def current(self) -> Cell | None:
         while self.done < len(self.cells) and cell_done(self.plan, self.cells[self.done]):
             self.done += 1
         return self.cells[self.done] if self.done < len(self.cells) else None
 
-    def __call__(self) -> float:
+    def tick(self) -> None:
         cell = self.current()
-        if cell is not None and _runs_at(self.plan, cell) != self.world_size:
+        if cell is None and not self.exiting:
+            self.exiting, self.since = True, time.monotonic()
+        elif cell is not None and _runs_at(self.plan, cell) != self.world_size:
             self.world_size, self.since = _runs_at(self.plan, cell), time.monotonic()
-        return time.monotonic() - self.since
+
+    def overdue(self, timeout_s: float) -> bool:
+        self.tick()
+        limit = min(timeout_s, EXIT_GRACE_S) if self.exiting else timeout_s
+        return time.monotonic() - self.since > limit
 
 
 def _poller(clock: _WorldSizeClock, progress: Progress | None,
@@ -161,7 +174,7 @@ def _poller(clock: _WorldSizeClock, progress: Progress | None,
 
     def poll() -> None:
         nonlocal reported
-        clock()
+        clock.tick()
         while on_cell_complete is not None and reported < clock.done:
             on_cell_complete(clock.cells[reported])
             reported += 1
@@ -190,7 +203,7 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
                      else f"w{'_'.join(map(str, sizes))}-{attempt}")
             clock = _WorldSizeClock(plan, pending)
             poll = _poller(clock, progress, on_cell_complete) if progress or on_cell_complete else None
-            result = launch(plan, sizes[-1], tuple(pending), label, on_poll=poll, elapsed=clock)
+            result = launch(plan, sizes[-1], tuple(pending), label, on_poll=poll, overdue=clock.overdue)
             unfinished = [c for c in pending if not cell_done(plan, c)]
             if unfinished and len(sizes) > 1:  # name the world size the launch was running
                 result = dataclasses.replace(result, world_size=_runs_at(plan, unfinished[0]))
@@ -208,9 +221,11 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
                     outcome.errors[cell.cell_id] = f"launch W={sizes[-1]} exited 0 without completing this cell"
                 break
             if not unfinished:
-                text = ("every cell of this launch had completed when it failed (a rank raised, hung or exited "
-                        "non-zero after its last cell, e.g. at exit); its evidence is not judged.\n"
-                        + result.failure_text())
+                how = (f"its ranks did not exit within {min(plan.timeout_s, EXIT_GRACE_S):g} s of the last cell's "
+                       f"completion (their stacks below)" if result.timed_out else
+                       "a rank raised or exited non-zero after its last cell, e.g. at exit")
+                text = (f"every cell of this launch had completed when it failed ({how}); its evidence is not "
+                        "judged.\n" + result.failure_text())
                 for cell in pending:
                     outcome.errors[cell.cell_id] = text
                 break
