@@ -24,6 +24,7 @@ from tabulate import tabulate
 
 from harness.bench import live_memory
 from harness.run.launch import Launch, TorchrunSpec
+from harness.run.snapshot import write_atomic_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The seeds' figures for GPT-2 medium (they count 505M parameters): fp32 parameters per GPU
@@ -387,6 +388,4 @@ def render_markdown(result: dict) -> str:
 
 def write_outputs(result: dict, out_dir: Path) -> None:
     for name, text in (("bench.json", json.dumps(result, indent=1)), ("bench.md", render_markdown(result))):
-        tmp = out_dir / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out_dir / name)
+        write_atomic_text(out_dir / name, text)

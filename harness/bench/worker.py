@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import sys
@@ -29,6 +28,7 @@ from cases.models import TransformerConfig, TransformerLM, lm_loss
 from harness.bench import live_memory
 from harness.bench.live_memory import LiveMemory
 from harness.run.rank import rank_prologue
+from harness.run.snapshot import write_atomic_text
 
 # Two sizes for the step-time comparison: 0.93M and 5.27M parameters.
 SPEED_CONFIGS = (
@@ -379,10 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = [None] * world_size
     dist.all_gather_object(per_rank, result)
     if rank == 0:
-        out = Path(args.out)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"ranks": per_rank}, indent=1))
-        os.replace(tmp, out)
+        write_atomic_text(Path(args.out), json.dumps({"ranks": per_rank}, indent=1))
     dist.destroy_process_group()
     return 0
 
