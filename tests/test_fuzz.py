@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import hypothesis
 from hypothesis import Phase, example, find, given, settings
 
 from harness.fuzz.main import fuzz, model_specs, warm_up_spec
@@ -218,6 +219,56 @@ def test_evidence_the_checks_cannot_read_is_an_error_result_not_a_traceback():
     assert not result.ok and result.error is not None and "the checks raised (no verdict)" in result.error, result
 
 
+class InProcessReplicaPool(InProcessPool):
+    """W = 2 replicas with no process group: the plain model (impl=single) trained in each "rank"
+    on identical data, which is the averaged run (every rank's local gradient is the mean); the
+    path of DDP and of every adapter that hands back full tensors."""
+
+    def collect(self, i: int) -> list[dict]:
+        from harness.fuzz.worker import run_adapter_example
+
+        request = self._requests.pop(i)
+        spec = ModelSpec.from_json(request["spec"])
+        replies = [run_adapter_example(spec, frozenset(request["faults"]), request["init"], RankContext(r, 2, None),
+                                       "single") for r in range(2)]
+        return self.corrupt(spec, replies) if self.corrupt else replies
+
+
+REPLICATED = ModelSpec.from_json(json.dumps({
+    "world_size": 2, "in_features": 3, "out_features": 2, "optimizer": {"kind": "sgd", "lr": 0.05, "momentum": 0.9},
+    "blocks": [{"width": 4}, {"width": 3}], "steps": 1, "data_mode": "identical"}))
+
+
+def _rank1_digest_drifts(spec, replies):
+    """Rank 1's parameters after the last step one ulp off rank 0's: no loss ever shows it, and
+    the full tensors judged are rank 0's."""
+    from harness.fuzz.worker import replica_digests
+
+    model = as_case(spec).build_model()
+    last = replies[0]["data"][-1]
+    name = next(iter(last))
+    drifted = {**last, name: torch.nextafter(last[name], torch.full_like(last[name], torch.inf))}
+    grads = {n: g for n, g in replies[0]["grads"][-1].items()}
+    replies[1]["replicas"][-1] = replica_digests(drifted, grads)
+    assert set(last) == {n for n, _ in model.named_parameters()}
+    return replies
+
+
+def test_every_ranks_full_tensors_are_judged_not_only_rank_0s():
+    """An adapter that hands back full tensors (DDP, FSDP1/2, a user's) is judged on rank 0's, and
+    every other rank's must be the same bits (the replicas check, through digests): a rank whose
+    parameters drift after the last step fails, naming the rank; the honest replicas pass with
+    the replicas check counting every tensor of every rank."""
+    honest = run_example(InProcessReplicaPool(), REPLICATED, impl="single")
+    assert honest.ok, honest.summary()
+    num_tensors = 2 * len(dict(as_case(REPLICATED).build_model().named_parameters()))  # params and grads
+    assert honest.checks["replicas"]["elements"] == REPLICATED.steps * 2 * num_tensors
+    drifted = run_example(InProcessReplicaPool(corrupt=_rank1_digest_drifts), REPLICATED, impl="single")
+    first = drifted.first_divergence
+    assert drifted.error is None and first is not None, drifted.summary()
+    assert (first.check, first.step, first.rank) == ("replicas", 1, 1), first
+
+
 def test_a_refused_example_is_never_a_pass():
     assert not ExampleResult(FROZEN, (), refused="fsdp2: 0-d parameter").ok
 
@@ -256,3 +307,16 @@ def test_a_fuzz_run_whose_every_model_is_refused_judges_nothing_and_is_not_a_pas
     stats = fuzz(pool, world_size=1, max_examples=5, seed=0)
     assert stats.num_examples == 0 and not stats.failures
     assert stats.refusals == {"impl: refuses every model": pool.num_requests} and pool.num_requests > 0
+
+
+def test_the_fuzzer_draws_no_0d_parameter_for_an_implementation_that_refuses_them():
+    """torch FSDP2 refuses 0-d parameters at wrap: drawn for it, such models were most of what it
+    drew (32 refused for 6 run at W = 2); now it draws none, and ours still draws them."""
+    from harness.fuzz.main import specs_for
+
+    def has_gain(spec):
+        return any(p.dim() == 0 for p in build_model(spec).parameters())
+
+    assert find(specs_for(2, "ours"), has_gain, settings=NO_SHRINK)
+    with pytest.raises(hypothesis.errors.NoSuchExample):
+        find(specs_for(2, "fsdp2"), has_gain, settings=NO_SHRINK)

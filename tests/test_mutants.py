@@ -120,3 +120,24 @@ def test_the_corpus_runs_accumulation_models_with_one_micro_batch_for_an_adapter
         assert corpus_for("ours", w) == full  # ours maps accumulation: the corpus as it is
         reduced = corpus_for("fsdp1", w)  # maps no feature (harness/adapters/fsdp1.py)
         assert reduced == {n: replace(s, accumulation=1) for n, s in full.items()}
+
+
+def test_the_corpus_runs_without_0d_gains_for_an_adapter_that_refuses_them_keeping_each_units_numel():
+    """torch FSDP2 and DeepSpeed refuse a 0-d parameter at wrap: the corpus model that has one
+    (tied_accum) runs for them with the gain's element moved into the block's 1-D parameter
+    (it was not run at all), so the unit's numel, the padding edge it was built to hit, stays."""
+    from harness.ci.mutants import corpus, corpus_for
+    from harness.fuzz.spec import build_model, describe
+
+    def gains(spec):
+        return [n for n, p in build_model(spec).named_parameters() if p.dim() == 0]
+
+    for w in (2, 4):
+        full = corpus(w)
+        assert any(gains(s) for s in full.values())
+        for impl in ("fsdp2", "deepspeed_zero2"):
+            adapted = corpus_for(impl, w)
+            assert set(adapted) == set(full)
+            for name, spec in adapted.items():
+                assert not gains(spec), (impl, name)
+                assert describe(spec) == describe(full[name]), (impl, name)  # the units' numels against W

@@ -123,6 +123,9 @@ class Adapter:
     needs_process_group: ClassVar[bool] = True
     # Wrapping parameters tied across units raises (the `tied_embeddings` case checks the message).
     refuses_cross_unit_ties: ClassVar[bool] = False
+    # False: wrapping a 0-d parameter raises (torch FSDP2, DeepSpeed); the fuzzer then draws models
+    # without one, rather than drawing models the implementation refuses.
+    shards_scalar_params: ClassVar[bool] = True
     # Features.checkpoint_reshard_at: reshard_checkpoint() reloads the model over fewer ranks. The
     # reference (single) leaves it False: a plain model trains on unchanged.
     reshards_checkpoints: ClassVar[bool] = False

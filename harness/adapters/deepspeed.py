@@ -69,6 +69,7 @@ class DeepSpeed(Adapter):
     # sizes, disagreed with the others: "Detected a disagreement on list contents"), so each world
     # size's cells run in a launch of their own.
     process_per_world = True
+    shards_scalar_params = False  # wrap refuses a 0-d parameter (deepspeed.initialize cannot broadcast it)
 
     def __init__(self, stage: int = 3, name: str = "deepspeed_zero3") -> None:
         self.stage = stage

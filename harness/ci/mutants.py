@@ -217,17 +217,31 @@ def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float, world_siz
 
 
 def corpus_for(impl: str, world_size: int) -> dict[str, ModelSpec]:
-    """The corpus as `impl` can run it: an adapter that does not map gradient accumulation (its
-    `unsupported` names it, as the ten-line FSDP1 adapter's does) trains the accumulation models
-    with one micro-batch per step, the models the fuzzer draws for it too, instead of failing them
-    honestly on a sync control it never declared."""
+    """The corpus as `impl` can run it, as the fuzzer draws for it (fuzz/main.py `specs_for`): an
+    adapter that does not map gradient accumulation (its `unsupported` names it, as the ten-line
+    FSDP1 adapter's does) trains the accumulation models with one micro-batch per step instead of
+    failing them honestly on a sync control it never declared; one that refuses 0-d parameters
+    (torch FSDP2, DeepSpeed) trains them without their 0-d gains instead of not at all."""
     from cases.features import Features
     from harness.adapters.registry import resolve_impl
 
     adapter = resolve_impl(impl)
-    return {name: spec if spec.accumulation == 1 or adapter.unsupported(Features(grad_accum=spec.accumulation)) is None
-            else replace(spec, accumulation=1)
-            for name, spec in corpus(world_size).items()}
+
+    def takes(spec: ModelSpec) -> ModelSpec:
+        if spec.accumulation > 1 and adapter.unsupported(Features(grad_accum=spec.accumulation)) is not None:
+            spec = replace(spec, accumulation=1)
+        if not adapter.shards_scalar_params:
+            spec = replace(spec, blocks=tuple(_without_gain(b) for b in spec.blocks))
+        return spec
+
+    return {name: takes(spec) for name, spec in corpus(world_size).items()}
+
+
+def _without_gain(block: BlockSpec) -> BlockSpec:
+    """The block with its 0-d gain's element moved into its 1-D aux parameter: the unit's numel,
+    the padding edge the corpus model was built to hit, is unchanged."""
+    return replace(block, gain=False, aux_numel=block.aux_numel + int(block.gain),
+                   inner=None if block.inner is None else _without_gain(block.inner))
 
 
 def _corpus_evidence(out_dir: Path, faults: list[str], world_sizes: tuple[int, ...],

@@ -103,9 +103,21 @@ def _no_buffers(reference: _Reference, world_size: int) -> Buffers:
     return Buffers.none(world_size)
 
 
+def _replicas(replies: list[dict], t: int) -> dict:
+    """Step t's replicas evidence: every rank's digests of its own full parameters and gradients
+    (rank 0's tensors are the ones judged; the other ranks' must be the same bits)."""
+    names = replies[0]["replicas"][t]["names"]
+    for rank, reply in enumerate(replies):
+        if reply["replicas"][t]["names"] != names:
+            raise ValueError(f"step {t + 1}: rank {rank}'s full tensors are {reply['replicas'][t]['names'][:4]}..., "
+                             f"rank 0's {names[:4]}...")
+    return {"names": names, "digests": torch.tensor([r["replicas"][t]["digests"] for r in replies], dtype=torch.long)}
+
+
 def assemble_full_snapshot(spec: ModelSpec, impl: str, replies: list[dict], init: dict[str, torch.Tensor],
                            reference: _Reference | None = None) -> dict:
-    """The snapshot of an adapter's run from rank 0's full tensors (no raw shards, no layouts)."""
+    """The snapshot of an adapter's run from rank 0's full tensors and every rank's digests of its
+    own (no raw shards, no layouts)."""
     reference = reference or _Reference(spec, init)
     buffers = _no_buffers(reference, spec.world_size)
     adapter = resolve_impl(impl)
@@ -117,7 +129,8 @@ def assemble_full_snapshot(spec: ModelSpec, impl: str, replies: list[dict], init
     for t in range(spec.steps):
         grads = {n: g for n, g in rank0["grads"][t].items() if n in trainable}
         steps.append(StepRecord(t + 1, torch.stack([r["loss"][t] for r in replies]), grads,
-                                rank0["data"][t], buffers, reference.step(t, params_before)))
+                                rank0["data"][t], buffers, reference.step(t, params_before),
+                                replicas=_replicas(replies, t)))
         params_before = rank0["data"][t]
     cell = Cell("fuzz", impl, spec.world_size, spec.data_mode, spec.steps, impl_name=adapter.name)
     return Snapshot(cell.to_json(), spec.optimizer.kind, spec.world_size, {},
@@ -173,12 +186,12 @@ def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = (), i
         if len(refusals) != 1 or any("refused" not in r for r in replies):
             return ExampleResult(spec, faults, error=f"ranks disagree on refusing the model: {sorted(refusals)}")
         return ExampleResult(spec, faults, refused=refusals.pop())
-    if replies[0].get("full"):
-        snap = assemble_full_snapshot(spec, impl, replies, init, reference)
-    else:
-        snap = assemble_snapshot(spec, faults, replies, init, reference)
-    names = snap["init"]["params"]
     try:
+        if replies[0].get("full"):
+            snap = assemble_full_snapshot(spec, impl, replies, init, reference)
+        else:
+            snap = assemble_snapshot(spec, faults, replies, init, reference)
+        names = snap["init"]["params"]
         result = check_snapshot(snap, {n: init[n] for n in names}, None, case=reference.case)
     except ValueError as e:  # evidence that contradicts itself (ReferenceDiverged included): no verdict
         return ExampleResult(spec, faults, error=f"the checks raised (no verdict): {type(e).__name__}: {e}")

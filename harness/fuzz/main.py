@@ -61,12 +61,14 @@ def target_numels(draw, world_size: int, base: int) -> int:
 
 
 @st.composite
-def block_specs(draw, world_size: int, in_features: int, depth: int = 1) -> BlockSpec:
+def block_specs(draw, world_size: int, in_features: int, depth: int = 1, scalar_params: bool = True) -> BlockSpec:
     width = draw(st.integers(1, 5))
     bias, tied, gain, frozen = (draw(st.booleans()) for _ in range(4))
+    gain = gain and scalar_params  # drawn either way: the same choices give the same other fields
     aux = draw(_target_numels(world_size, _own_numel(in_features, width, bias, tied, gain)))
     wrap = draw(st.booleans())
-    inner = draw(_inner_block_specs(world_size, width, depth + 1)) if depth < MAX_NESTING else None
+    inner = (draw(_inner_block_specs(world_size, width, depth + 1, scalar_params)) if depth < MAX_NESTING
+             else None)
     return BlockSpec(width=width, bias=bias, tied=tied, aux_numel=aux, gain=gain, frozen=frozen,
                      wrap=not wrap, inner=inner)  # wrap=True shrinks to False: prefer wrapped units
 
@@ -81,25 +83,28 @@ _block_specs = functools.cache(block_specs)
 
 
 @functools.cache
-def _inner_block_specs(world_size: int, in_features: int, depth: int) -> st.SearchStrategy[BlockSpec | None]:
-    return st.none() | _block_specs(world_size, in_features, depth)
+def _inner_block_specs(world_size: int, in_features: int, depth: int,
+                       scalar_params: bool) -> st.SearchStrategy[BlockSpec | None]:
+    return st.none() | _block_specs(world_size, in_features, depth, scalar_params)
 
 
-def model_specs(world_size: int, accumulations: tuple[int, ...] = (1, 2)) -> st.SearchStrategy[ModelSpec]:
-    """Models for a pool of `world_size` ranks (checked here, not at the first draw)."""
+def model_specs(world_size: int, accumulations: tuple[int, ...] = (1, 2),
+                scalar_params: bool = True) -> st.SearchStrategy[ModelSpec]:
+    """Models for a pool of `world_size` ranks (checked here, not at the first draw); with
+    `scalar_params` False, none with a 0-d parameter."""
     if world_size < 1:
         raise ValueError(f"model_specs world_size={world_size} must be >= 1")
     if not accumulations or any(a not in (1, 2) for a in accumulations):
         raise ValueError(f"model_specs accumulations={accumulations} must be a non-empty subset of (1, 2)")
-    return _model_specs(world_size, accumulations)
+    return _model_specs(world_size, accumulations, scalar_params)
 
 
 @st.composite
-def _model_specs(draw, world_size: int, accumulations: tuple[int, ...]) -> ModelSpec:
+def _model_specs(draw, world_size: int, accumulations: tuple[int, ...], scalar_params: bool) -> ModelSpec:
     in_features = draw(st.integers(1, 5))
     blocks, width = [], in_features
     for _ in range(draw(st.integers(1, 3))):
-        block = draw(_block_specs(world_size, width, 1))
+        block = draw(_block_specs(world_size, width, 1, scalar_params))
         blocks.append(block)
         while block.inner is not None:
             block = block.inner
@@ -149,12 +154,15 @@ def warm_up_spec(world_size: int) -> ModelSpec:
     return ModelSpec(world_size, 2, 1, (BlockSpec(width=2, inner=BlockSpec(width=1)),), OPTIMIZERS[0])
 
 
-def _accumulations(impl: str) -> tuple[int, ...]:
-    """Micro-batches per step the adapter maps (an adapter that owns the step may map only one)."""
+def specs_for(world_size: int, impl: str) -> st.SearchStrategy[ModelSpec]:
+    """The models `impl` can take: micro-batches per step as the adapter maps them (an adapter
+    that owns the step may map only one), 0-d parameters only where it shards them."""
     from cases.features import Features
     from harness.adapters.registry import resolve_impl
 
-    return (1, 2) if resolve_impl(impl).unsupported(Features(grad_accum=2)) is None else (1,)
+    adapter = resolve_impl(impl)
+    accumulations = (1, 2) if adapter.unsupported(Features(grad_accum=2)) is None else (1,)
+    return model_specs(world_size, accumulations, adapter.shards_scalar_params)
 
 
 def replay_command(spec: ModelSpec, faults: tuple[str, ...], impl: str = "ours") -> str:
@@ -170,7 +178,7 @@ def _warm_up_hypothesis(world_size: int, impl: str) -> None:
 
     @settings(max_examples=2, deadline=None, database=None, suppress_health_check=list(HealthCheck),
               phases=(Phase.generate,))
-    @given(model_specs(world_size, _accumulations(impl)))
+    @given(specs_for(world_size, impl))
     def draw_only(spec: ModelSpec) -> None:
         pass
 
@@ -186,7 +194,7 @@ def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: 
     @settings(max_examples=max_examples, deadline=None, database=None, report_multiple_bugs=False,
               suppress_health_check=list(HealthCheck), print_blob=False,
               phases=(Phase.generate, Phase.shrink))
-    @given(model_specs(world_size, _accumulations(impl)))
+    @given(specs_for(world_size, impl))
     def prop(spec: ModelSpec) -> None:
         start = time.perf_counter()
         result = run_example(pool, spec, faults, impl)

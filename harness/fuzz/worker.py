@@ -29,7 +29,7 @@ from harness.adapters.ours import Ours
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
 from harness.run.rank import rank_prologue, train_step
-from harness.run.snapshot import decode, encode
+from harness.run.snapshot import decode, digest, encode
 
 
 def _shards(model) -> tuple[dict, dict]:
@@ -75,7 +75,8 @@ def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.T
 def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.Tensor], ctx: RankContext,
                         impl: str) -> dict:
     """Train the spec through any adapter; its full parameters after init and every step, its full
-    gradients before every step (the adapter's own collectives: every rank calls them)."""
+    gradients before every step (the adapter's own collectives: every rank calls them); rank 0's
+    tensors, and every rank's digests of its own (replicas must agree bitwise: the replicas check)."""
     adapter = dist_faults.planted(resolve_impl(impl), faults)  # collective faults, if any
     case = as_case(spec)
     model = case.build_model()
@@ -86,20 +87,31 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
         return {"refused": f"{impl}: {e}"}
     optim = adapter.make_optimizer(wrapped, spec.optimizer, case.features)
     init_params = adapter.full_params(wrapped)
-    losses, step_grads, step_params = [], [], []
+    losses, step_grads, step_params, replicas = [], [], [], []
     for step in range(1, spec.steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = local_batch(batch, spec.data_mode, ctx.rank, ctx.world_size)
         # An adapter that owns its step (an engine's backward) maps a single micro-batch only
-        # (fuzz/main.py `_accumulations`), so it never meets sync_every_micro.
+        # (fuzz/main.py `specs_for`), so it never meets sync_every_micro.
         loss, grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, spec.accumulation,
                                  case.features, lambda: adapter.full_grads(wrapped), spec.sync_every_micro)
+        params = adapter.full_params(wrapped)
         step_grads.append(grads)
-        step_params.append(adapter.full_params(wrapped))
+        step_params.append(params)
         losses.append(loss)
-    if ctx.rank != 0:  # rank 0 carries the full tensors; every rank its loss
+        replicas.append(replica_digests(params, grads))
+    if ctx.rank != 0:  # rank 0 carries the full tensors; every rank its loss and digests
         init_params, step_grads, step_params = {}, [{} for _ in step_grads], [{} for _ in step_params]
-    return {"full": True, "init": init_params, "loss": torch.stack(losses), "grads": step_grads, "data": step_params}
+    return {"full": True, "init": init_params, "loss": torch.stack(losses), "grads": step_grads, "data": step_params,
+            "replicas": replicas}
+
+
+def replica_digests(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict:
+    """{"names": parameter names, then "<name> (grad)", "digests": one 52-bit digest each}."""
+    names = sorted(params)
+    grad_names = sorted(grads)
+    return {"names": names + [f"{n} (grad)" for n in grad_names],
+            "digests": [digest(params[n]) for n in names] + [digest(grads[n]) for n in grad_names]}
 
 
 def main(argv: list[str]) -> int:
