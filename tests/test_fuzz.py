@@ -174,8 +174,12 @@ def test_model_specs_refuse_a_world_size_below_one():
 
 
 class InProcessAdapterPool(InProcessPool):
-    """The pool at W = 1 through an adapter's full tensors (impl=single), the path torch FSDP1,
-    FSDP2 and users' adapters take."""
+    """The pool at W = 1 through an adapter's full tensors (impl=single, or `impl`), the path torch
+    FSDP1, FSDP2 and users' adapters take."""
+
+    def __init__(self, corrupt=None, impl: str = "single") -> None:
+        super().__init__(corrupt)
+        self.impl = impl
 
     def collect(self, i: int) -> list[dict]:
         from harness.fuzz.worker import run_adapter_example
@@ -183,8 +187,41 @@ class InProcessAdapterPool(InProcessPool):
         request = self._requests.pop(i)
         spec = ModelSpec.from_json(request["spec"])
         reply = run_adapter_example(spec, frozenset(request["faults"]), request["init"], RankContext(0, 1, None),
-                                    "single")
+                                    self.impl)
         return [self.corrupt(spec, reply) if self.corrupt else reply]
+
+
+LIVE_TENSORS = '''
+from harness.adapters import Adapter
+
+
+class LiveTensors(Adapter):
+    """The plain model, its evidence handed back as the live parameters and gradients."""
+
+    name = "live_tensors"
+    needs_process_group = False
+
+    def wrap(self, model, wrap_paths, ctx):
+        return model
+
+    def full_params(self, model):
+        return {n: p for n, p in model.named_parameters()}
+
+    def full_grads(self, model):
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+'''
+
+
+def test_an_adapter_that_hands_back_its_live_tensors_is_judged_on_each_steps_values(tmp_path):
+    """A user's adapter may return its parameters themselves: the next step changes them in place,
+    so every recorded step read as the last one and an honest run failed; the evidence is copied
+    when it is taken (harness/run/rank.py evidence_copy), as the matrix worker always did."""
+    (tmp_path / "live.py").write_text(LIVE_TENSORS)
+    spec = ModelSpec.from_json(json.dumps({**json.loads(FROZEN.to_json()), "steps": 3}))
+    result = run_example(InProcessAdapterPool(impl=f"{tmp_path / 'live.py'}:LiveTensors"), spec,
+                         impl=f"{tmp_path / 'live.py'}:LiveTensors")
+    assert result.ok, result.summary()
+    assert result.checks["param"]["elements"] > 0
 
 
 FROZEN = ModelSpec.from_json(json.dumps({

@@ -28,7 +28,7 @@ from harness.adapters.base import RankContext
 from harness.adapters.ours import Ours
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
-from harness.run.rank import rank_prologue, train_step
+from harness.run.rank import evidence_copy, rank_prologue, train_step
 from harness.run.snapshot import decode, digest, encode
 
 
@@ -86,7 +86,7 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
     except ValueError as e:  # a clear refusal of this model (FSDP2: 0-d parameters), before any collective
         return {"refused": f"{impl}: {e}"}
     optim = adapter.make_optimizer(wrapped, spec.optimizer, case.features)
-    init_params = adapter.full_params(wrapped)
+    init_params = evidence_copy(adapter.full_params(wrapped))
     losses, step_grads, step_params, replicas = [], [], [], []
     for step in range(1, spec.steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
@@ -94,8 +94,9 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
         # An adapter that owns its step (an engine's backward) maps a single micro-batch only
         # (fuzz/main.py `specs_for`), so it never meets sync_every_micro.
         loss, grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, spec.accumulation,
-                                 case.features, lambda: adapter.full_grads(wrapped), spec.sync_every_micro)
-        params = adapter.full_params(wrapped)
+                                 case.features, lambda: evidence_copy(adapter.full_grads(wrapped)),
+                                 spec.sync_every_micro)
+        params = evidence_copy(adapter.full_params(wrapped))
         step_grads.append(grads)
         step_params.append(params)
         losses.append(loss)

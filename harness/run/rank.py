@@ -49,6 +49,12 @@ def rank_prologue(threads: int, backend: str = "gloo", device: str = "cpu",
     return RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, rank_device)
 
 
+def evidence_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of what an adapter handed back as evidence: an adapter may return its live
+    parameters or gradients, which the next step changes in place under the recorded values."""
+    return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+
+
 def train_step(adapter: Adapter, model: torch.nn.Module, optim: torch.optim.Optimizer, loss_fn, inputs, targets,
                num_micro: int, features, evidence: Callable[[], T] | None = None,
                sync_every_micro: bool = False) -> tuple[torch.Tensor, T | None]:

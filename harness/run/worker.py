@@ -28,7 +28,7 @@ from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
 from harness.run.plan import Cell
-from harness.run.rank import rank_prologue, train_step
+from harness.run.rank import evidence_copy, rank_prologue, train_step
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
 from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, load_buffers, load_state,
                                   save_snapshot, snapshot_path, write_atomic_text)
@@ -42,7 +42,7 @@ def _pick(tensors: dict[str, torch.Tensor], names: list[str], what: str, ctx: Ra
             f"rank {ctx.rank}: impl={cell.impl} {what} lack parameters {missing[:4]} "
             f"(has {sorted(tensors)[:4]}...); the adapter must use the plain model's names"
         )
-    return {n: tensors[n].detach().to("cpu", copy=True) for n in names}
+    return evidence_copy({n: tensors[n] for n in names})
 
 
 def _all_gather_rows(t: torch.Tensor, ctx: RankContext) -> torch.Tensor:
