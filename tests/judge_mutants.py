@@ -32,7 +32,7 @@ from scratch_repo import REPO, copy_project
 # Fast-tier files that judge evidence (the whole fast tier with --fast-tier).
 JUDGE_FAST = ("tests/test_tolerance_bounds.py", "tests/test_judge_checks.py", "tests/test_judge_nonfinite.py",
               "tests/test_harness_units.py", "tests/test_padding_intervals.py", "tests/test_evidence.py",
-              "tests/test_fuzz.py", "tests/test_bias_check.py", "tests/test_buffers.py")
+              "tests/test_fuzz.py", "tests/test_bias_check.py", "tests/test_buffers.py", "tests/test_verdict_enum.py")
 _PLANTED = "tests/test_harness_runs.py::test_planted_error_is_caught_by_its_check[{}]"
 _BUFFERS_SLOW = "tests/test_harness_runs.py::test_buffers_zeroed_at_wrap_fail_at_step_0_on_every_rank"
 _DRIFT = ("tests/test_harness_runs.py::"
@@ -102,6 +102,13 @@ MUTANTS = (
              "        if False:\n            out.append(Violation(kind, step, \"trajectory\""),), (_DRIFT,)),
     Mutant("nan_comparison_flipped", "`not (diff <= tol)` written `diff > tol` (NaN passes)", "harness/judge/segments.py",
            (("bad = ~(diff <= tol)", "bad = diff > tol"), ("failed = ~(diff <= tol)", "failed = diff > tol"))),
+    Mutant("error_ignored", "a Judgement with an error but no violation passes", "harness/judge/result.py",
+           (("return Verdict.ERROR if self.error is not None else Verdict.FAIL if self.violations else Verdict.PASS",
+             "return Verdict.FAIL if self.violations else Verdict.PASS"),)),
+    Mutant("max_ratio_drops_nan", "the largest ratio taken with max (a NaN dropped or kept by order)",
+           "harness/judge/result.py", (("            out = nan_max(out, r)", "            out = max(out, r)"),)),
+    Mutant("fuzz_replicas_disabled", "fuzz through an adapter: other ranks' digests never compared",
+           "harness/fuzz/check.py", (("replicas=_replicas(replies, t)))", "replicas=None))"),)),
 )
 
 
