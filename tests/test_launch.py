@@ -8,6 +8,7 @@ same way (it had a launcher of its own that printed torchrun's tail and no rank'
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,9 @@ pytestmark = pytest.mark.slow
 
 RANK_SCRIPTS = str(Path(__file__).resolve().parent / "rank_scripts")
 # The hang must be a timeout, not slowness: a launch of two ranks finishes in seconds, the
-# timeout leaves minutes for a loaded 2-core machine.
+# timeout leaves minutes for a loaded 2-core machine (the hang test ends sooner: see there).
 HANG_TIMEOUT_S = 120.0
+SETTLE_S = 3.0  # after both ranks said they hang: rank 0 is in its barrier, rank 1 asleep
 LAUNCH_TIMEOUT_S = 900.0
 
 
@@ -37,11 +39,26 @@ def _processes_of(launch_id: str) -> list[int]:
     return pids
 
 
-def _launch(tmp_path: Path, mode: str, timeout_s: float) -> tuple[Launch, object]:
+def _launch(tmp_path: Path, mode: str, timeout_s: float, overdue=None) -> tuple[Launch, object]:
     spec = TorchrunSpec(2, "launch_probe", (mode,), tmp_path / mode, timeout_s, threads=1,
                         extra_pythonpath=(RANK_SCRIPTS,))
     launch = Launch(spec)
-    return launch, launch.run()
+    return launch, launch.run(overdue=overdue(launch) if overdue else None)
+
+
+def _once_both_hang(launch: Launch):
+    """The launch's timeout, or SETTLE_S after both ranks printed that they hang, whichever comes
+    first: the timeout path (stacks dumped, everything killed) without waiting minutes for it."""
+    hung_at = None
+
+    def overdue(timeout_s: float) -> bool:
+        nonlocal hung_at
+        if hung_at is None and all("hanging" in log.stdout for log in launch.rank_logs()):
+            hung_at = time.monotonic()
+        return (time.monotonic() - launch.started_at > timeout_s
+                or hung_at is not None and time.monotonic() - hung_at > SETTLE_S)
+
+    return overdue
 
 
 def test_an_honest_launch_succeeds_and_leaves_nothing(tmp_path):
@@ -62,7 +79,7 @@ def test_a_rank_that_raises_is_named_with_its_traceback_and_nothing_survives(tmp
 
 
 def test_a_hung_launch_times_out_with_every_ranks_stack_and_nothing_survives(tmp_path):
-    launch, result = _launch(tmp_path, "hang", HANG_TIMEOUT_S)
+    launch, result = _launch(tmp_path, "hang", HANG_TIMEOUT_S, _once_both_hang)
     assert result.timed_out and result.returncode == 124
     text = result.failure_text()
     assert text.startswith("launch W=2 timed out after"), text
