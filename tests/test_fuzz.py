@@ -279,7 +279,7 @@ REPLICATED = ModelSpec.from_json(json.dumps({
 def _rank1_digest_drifts(spec, replies):
     """Rank 1's parameters after the last step one ulp off rank 0's: no loss ever shows it, and
     the full tensors judged are rank 0's."""
-    from harness.fuzz.worker import replica_digests
+    from harness.run.rank import replica_digests
 
     model = as_case(spec).build_model()
     last = replies[0]["data"][-1]

@@ -28,8 +28,8 @@ from harness.adapters.base import RankContext
 from harness.adapters.ours import Ours
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
-from harness.run.rank import evidence_copy, rank_prologue, train_step
-from harness.run.snapshot import decode, digest, encode
+from harness.run.rank import evidence_copy, rank_prologue, replica_digests, train_step
+from harness.run.snapshot import decode, encode
 
 
 def _shards(model) -> tuple[dict, dict]:
@@ -106,13 +106,6 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
     return {"full": True, "init": init_params, "loss": torch.stack(losses), "grads": step_grads, "data": step_params,
             "replicas": replicas}
 
-
-def replica_digests(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict:
-    """{"names": parameter names, then "<name> (grad)", "digests": one 52-bit digest each}."""
-    names = sorted(params)
-    grad_names = sorted(grads)
-    return {"names": names + [f"{n} (grad)" for n in grad_names],
-            "digests": [digest(params[n]) for n in names] + [digest(grads[n]) for n in grad_names]}
 
 
 def main(argv: list[str]) -> int:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from harness.adapters.base import Adapter, RankContext
 from harness.judge.shadow import forward_backward
 from harness.run import dist_faults, lifeline
+from harness.run.snapshot import digest
 
 T = TypeVar("T")
 
@@ -53,6 +54,13 @@ def evidence_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached CPU copies of what an adapter handed back as evidence: an adapter may return its live
     parameters or gradients, which the next step changes in place under the recorded values."""
     return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+
+
+def replica_digests(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict:
+    """This rank's replicas evidence: {"names": parameter names, then "<name> (grad)", in the dicts'
+    order, "digests": a 52-bit digest of each}; every rank's must agree bitwise (the replicas check)."""
+    return {"names": list(params) + [f"{n} (grad)" for n in grads],
+            "digests": [digest(t) for t in params.values()] + [digest(g) for g in grads.values()]}
 
 
 def train_step(adapter: Adapter, model: torch.nn.Module, optim: torch.optim.Optimizer, loss_fn, inputs, targets,

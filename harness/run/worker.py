@@ -28,7 +28,7 @@ from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
 from harness.run.plan import Cell
-from harness.run.rank import evidence_copy, rank_prologue, train_step
+from harness.run.rank import evidence_copy, rank_prologue, replica_digests, train_step
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
 from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, load_buffers, load_state,
                                   save_snapshot, snapshot_path, write_atomic_text)
@@ -201,12 +201,12 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         buffers = _pick(adapter.full_buffers(wrapped), buffer_names, "full_buffers", ctx, cell)
         # Every rank's full parameters and gradients, digested: replicas must agree bitwise; and
         # every rank's buffers (before step 1 too), judged against the replay.
-        digests = ([digest(params[n]) for n in names] + [digest(grads[n]) for n in grad_names]
-                   + [digest(buffers[n]) for n in buffer_names] + pending_digests)
+        replicas = replica_digests(params, grads)
+        digests = replicas["digests"] + [digest(buffers[n]) for n in buffer_names] + pending_digests
         losses, all_digests, shards, shard_grads, padding_intervals = _gather_step_evidence(
             loss, adapter.raw_shards(wrapped), digests, ctx)
-        num_replicas = len(names) + len(grad_names)
-        replica_digests = all_digests[:, :num_replicas]
+        num_replicas = len(replicas["names"])
+        replicas["digests"] = all_digests[:, :num_replicas]
         buffer_digests = all_digests[:, num_replicas:num_replicas + len(buffer_names)]
         if step == 1:
             init_buffer_digests = all_digests[:, num_replicas + len(buffer_names):]
@@ -216,7 +216,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                 step, losses, grads, params, Buffers(buffers, buffer_digests),
                 shadow.step(params_before, batch, cell.data_mode, ctx.world_size, buffers_before=buffers_before),
                 shards, shard_grads, padding_intervals,
-                {"names": names + [f"{n} (grad)" for n in grad_names], "digests": replica_digests},
+                replicas,
                 adapter.layouts(wrapped)))
         params_before, buffers_before = params, buffers
         if step in reshard_steps:
