@@ -436,10 +436,7 @@ class FlatParamHandle:
     def gather_full(self, sharded: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Full (unpadded) tensors of every slot from this rank's shard of the flat parameter
         (or of `sharded`, e.g. its gradient), in the sharded dtype; a collective."""
-        sharded = self.sharded.detach() if sharded is None else sharded
-        padded = sharded.new_empty(self.layout.padded_numel)
-        all_gather_into(padded, sharded, self.comm.shard_group)
-        return [v.clone() for v in unflatten_views(padded, self.layout)]
+        return gather_full_many([(self, self.sharded.detach() if sharded is None else sharded)])[0]
 
     def load_full(self, full_tensors: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -451,6 +448,47 @@ class FlatParamHandle:
 
     def local_shard_view(self, padded: torch.Tensor) -> torch.Tensor:
         return shard_of(padded, self.layout, self.comm.shard_rank)
+
+
+GATHER_BUCKET_BYTES = 64 * 2**20  # most bytes one rank sends in one all-gather of gather_full_many
+
+
+def gather_full_many(pairs: list[tuple[FlatParamHandle, torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """`handle.gather_full(sharded)` for every (handle, sharded) pair, with one all-gather per
+    bucket of pairs that share a shard group, dtype and device instead of one per pair (a
+    collective; every rank passes the same handles in the same order).
+
+    With uniform padding every rank's shard of a flat parameter has shard_numel elements, so the
+    gathered (W, bucket numel) buffer holds each rank's shards of the bucket side by side: a flat
+    parameter's columns, read rank after rank, are its padded unsharded buffer. A copy of every
+    element, no arithmetic: bitwise the gather of each flat parameter on its own."""
+    out: list[list[torch.Tensor] | None] = [None] * len(pairs)
+    buckets: dict[tuple, list[list[int]]] = {}
+    filled: dict[tuple, int] = {}  # bytes in each key's last bucket
+    for i, (handle, sharded) in enumerate(pairs):
+        if sharded.numel() != handle.layout.shard_numel:
+            raise ValueError(f"gather_full of {handle.param_name}: {sharded.numel()} elements, the shard has "
+                             f"{handle.layout.shard_numel}")
+        key = (id(handle.comm.shard_group), sharded.dtype, sharded.device)
+        nbytes = sharded.numel() * sharded.element_size()
+        if key not in buckets or filled[key] + nbytes > GATHER_BUCKET_BYTES:
+            buckets.setdefault(key, []).append([])
+            filled[key] = 0
+        buckets[key][-1].append(i)
+        filled[key] += nbytes
+    for runs in buckets.values():
+        for run in runs:
+            comm = pairs[run[0]][0].comm
+            send = torch.cat([pairs[i][1].detach().reshape(-1) for i in run])
+            gathered = send.new_empty(comm.shard_world_size * send.numel())
+            all_gather_into(gathered, send, comm.shard_group)
+            blocks, at = gathered.view(comm.shard_world_size, send.numel()), 0
+            for i in run:
+                handle, numel = pairs[i][0], pairs[i][1].numel()
+                padded = blocks[:, at:at + numel].reshape(-1)  # rank after rank: a copy
+                at += numel
+                out[i] = [v.clone() for v in unflatten_views(padded, handle.layout)]
+    return out
 
 
 @dataclass

@@ -8,12 +8,14 @@ pre-hook slices this rank's shard out of the full tensors.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from impl._flat_param import FlatLayout, unflatten_views, zero_padding_
+from impl._handle import FlatParamHandle, gather_full_many
 from impl._unit import FSDPUnit
 
 
@@ -22,11 +24,18 @@ def register_state_dict_hooks(module: nn.Module, unit: FSDPUnit) -> None:
     module.register_load_state_dict_pre_hook(_make_load_pre_hook(unit))
 
 
+# id(handle) -> its full tensors, gathered for every unit at once by full_state_dict (else each
+# unit's hook gathers its own).
+_GATHERED: ContextVar[dict[int, list[torch.Tensor]] | None] = ContextVar("_GATHERED", default=None)
+
+
 def _make_post_hook(unit: FSDPUnit):
     def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        gathered = _GATHERED.get()
         for handle in unit.handles:
             state_dict.pop(prefix + handle.param_name, None)
-            for slot, full in zip(handle.layout.slots, handle.gather_full()):
+            fulls = gathered.pop(id(handle)) if gathered is not None and id(handle) in gathered else handle.gather_full()
+            for slot, full in zip(handle.layout.slots, fulls):
                 for fqn in slot.fqns:
                     state_dict[prefix + fqn] = full
 
@@ -62,9 +71,20 @@ def _make_load_pre_hook(unit: FSDPUnit):
     return hook
 
 
+def _handles(model: nn.Module) -> list[FlatParamHandle]:
+    return [h for m in model.modules() if "_fsdp_unit" in m.__dict__ for h in m.__dict__["_fsdp_unit"].handles]
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full tensors under the plain model's names, on every rank (a collective)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """Full tensors under the plain model's names, on every rank (a collective: every unit's flat
+    parameters in one all-gather per bucket, `gather_full_many`)."""
+    handles = _handles(model)
+    fulls = gather_full_many([(h, h.sharded.detach()) for h in handles])
+    token = _GATHERED.set({id(h): f for h, f in zip(handles, fulls)})
+    try:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    finally:
+        _GATHERED.reset(token)
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True):
@@ -156,7 +176,7 @@ def full_grad_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Parameters whose gradient is None are left out, as `p.grad is None` would be in the plain
     model; a flat parameter with a gradient reports every slot (zeros where nothing flowed).
     """
-    grads: dict[str, torch.Tensor] = {}
+    entries: list[tuple[str, torch.Tensor, FlatParamHandle | None]] = []  # (prefix + name, grad, handle)
     for fqn, module in model.named_modules():
         unit = module.__dict__.get("_fsdp_unit")
         prefix = f"{fqn}." if fqn else ""
@@ -164,12 +184,17 @@ def full_grad_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             if param is None or param.grad is None:
                 continue
             handle = next((h for h in unit.handles if h.param_name == name), None) if unit else None
-            if handle is None:
-                grads[prefix + name] = param.grad.detach().clone()
-                continue
-            for slot, full in zip(handle.layout.slots, handle.gather_full(param.grad.detach())):
-                for tied in slot.fqns:
-                    grads[prefix + tied] = full
+            entries.append((prefix + name, param.grad.detach(), handle))
+    fulls = iter(gather_full_many([(h, g) for _, g, h in entries if h is not None]))
+    grads: dict[str, torch.Tensor] = {}
+    for key, grad, handle in entries:
+        if handle is None:
+            grads[key] = grad.clone()
+            continue
+        prefix = key[: len(key) - len(handle.param_name)]
+        for slot, full in zip(handle.layout.slots, next(fulls)):
+            for tied in slot.fqns:
+                grads[prefix + tied] = full
     return grads
 
 

@@ -71,3 +71,13 @@ def test_sharded_state_bytes_within_one_percent(ranks):
               f"{mem['measured_bytes']} B vs (total + padding) / W = {mem['ideal_bytes']:.0f} B "
               f"(unsharded total {mem['unsharded_state_bytes']} B, ratio {mem['ratio']:.4f})")
         assert abs(mem["ratio"] - 1.0) <= 0.01, mem
+
+
+def test_full_state_and_grads_are_one_all_gather_each_and_bitwise(ranks):
+    # Every flat parameter of a multi-unit model in one all-gather (gather_full_many), the same
+    # bits as an all-gather of each flat parameter's shard on its own.
+    for rank in ranks:
+        gathers = rank["gathers"]
+        assert gathers["flat_params"] > 1, gathers
+        assert (gathers["param_gathers"], gathers["grad_gathers"]) == (1, 1), gathers
+        assert gathers["params_bitwise"] and gathers["grads_bitwise"], gathers

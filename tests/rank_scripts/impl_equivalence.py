@@ -132,6 +132,43 @@ def sharded_state_bytes(rank: int, world_size: int) -> dict:
             "unsharded_state_bytes": 4 * 4 * total_param_numel, "padding_numel": padding_numel}
 
 
+def full_gathers(world_size: int) -> dict:
+    """full_state_dict and full_grad_dict of a multi-unit model: how many all-gathers each issues,
+    and whether their tensors are bitwise those of one all-gather per flat parameter (the
+    reference here: each rank's shard gathered on its own, unflattened)."""
+    import impl._handle as handle_module
+    from impl import full_grad_dict, units
+    from impl._flat_param import unflatten_views
+
+    model = wrap(build("transformer"))
+    x, y = batch("transformer", 0)
+    loss_fn("transformer", model, x, y).backward()
+    handles = [(f"{fqn}." if fqn else "", h) for fqn, unit in units(model) for h in unit.handles]
+    expected_params, expected_grads = {}, {}
+    for prefix, h in handles:
+        for local, out in ((h.sharded.detach(), expected_params), (h.sharded.grad, expected_grads)):
+            padded = local.new_empty(world_size * local.numel())
+            dist.all_gather_into_tensor(padded, local.contiguous())
+            for slot, full in zip(h.layout.slots, unflatten_views(padded, h.layout)):
+                for fqn in slot.fqns:
+                    out[prefix + fqn] = full.clone()
+    calls = []
+    real = handle_module.all_gather_into
+    handle_module.all_gather_into = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        params = full_state_dict(model)
+        num_param_gathers = len(calls)
+        grads = full_grad_dict(model)
+        num_grad_gathers = len(calls) - num_param_gathers
+    finally:
+        handle_module.all_gather_into = real
+    return {"flat_params": len(handles), "param_gathers": num_param_gathers, "grad_gathers": num_grad_gathers,
+            "params_bitwise": params.keys() == expected_params.keys()
+            and all(torch.equal(params[n], expected_params[n]) for n in params),
+            "grads_bitwise": grads.keys() == expected_grads.keys()
+            and all(torch.equal(grads[n], expected_grads[n]) for n in grads)}
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -142,7 +179,7 @@ def main() -> None:
                 results.append(run(kind, optim_name, split, rank, world_size))
     memory = sharded_state_bytes(rank, world_size)
     record = {"rank": rank, "world_size": world_size, "threads": torch.get_num_threads(),
-              "results": results, "memory": memory}
+              "results": results, "memory": memory, "gathers": full_gathers(world_size)}
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()
