@@ -23,7 +23,7 @@ from harness.judge.layouts import LayoutError, check_layouts
 from harness.run.evidence import model_parameters
 from harness.run.orchestrate import write_init_states
 from harness.run.plan import build_plan
-from harness.run.snapshot import load_state
+from harness.run.snapshot import load_init
 from harness.run.worker import run_cell
 
 HERE = Path(__file__).resolve()
@@ -115,7 +115,7 @@ def evidence(tmp_path_factory, one_rank_group):
     plan = build_plan(cases=("mlp",), impls=impls, world_sizes=(1,), data_modes=("identical",), steps=STEPS,
                       out_dir=out)
     write_init_states(plan)
-    init = load_state(plan.init_dir / "mlp.pt", plan.run_id)
+    init, _ = load_init(plan.init_dir / "mlp.pt", plan.run_id)
     spec = get_case("mlp").optimizer("sgd")
     (ref_cell,) = plan.references
     ref = run_cell(ref_cell, spec, init, RankContext(0, 1, None), out / "scratch")

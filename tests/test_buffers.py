@@ -21,7 +21,7 @@ from harness.judge.verdict import evaluate
 from harness.run.orchestrate import write_init_states
 from harness.run.outcome import RunOutcome
 from harness.run.plan import build_plan
-from harness.run.snapshot import digest, load_buffers, load_snapshot, load_state, save_snapshot, snapshot_path
+from harness.run.snapshot import digest, load_init, load_snapshot, save_snapshot, snapshot_path
 from harness.run.worker import run_cell
 
 CASE_FILE = Path(__file__).resolve().parent / "data" / "user_case_buffers.py"
@@ -40,7 +40,7 @@ def recorded_run(tmp_path_factory):
                       out_dir=out)
     write_init_states(plan)
     path = plan.init_dir / "buffers.pt"
-    init, init_buffers = load_state(path, plan.run_id), load_buffers(path, plan.run_id)
+    init, init_buffers = load_init(path, plan.run_id)
     assert set(init_buffers) == BUFFERS and "scale" not in init  # non-persistent: only in the buffers
     for cell in plan.references + plan.cells:
         snap = run_cell(cell, plan_spec(), init, RankContext(0, 1, None), out / "scratch", init_buffers)

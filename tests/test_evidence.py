@@ -27,7 +27,7 @@ from harness.run.outcome import RunOutcome
 from harness.run.output import OutputDir
 from harness.run.plan import build_plan
 from harness.report.build import build_report, report_files
-from harness.run.snapshot import load_snapshot, load_state, save_snapshot, snapshot_path
+from harness.run.snapshot import load_init, load_snapshot, save_snapshot, snapshot_path
 from harness.judge.verdict import CellResult, Matrix, evaluate
 from harness.run.worker import run_cell
 
@@ -41,7 +41,7 @@ def recorded_run(tmp_path_factory):
     plan = build_plan(cases=("mlp",), impls=("single",), world_sizes=(1,), data_modes=("identical",), steps=STEPS,
                       out_dir=out)
     write_init_states(plan)
-    init = load_state(plan.init_dir / "mlp.pt", plan.run_id)
+    init, _ = load_init(plan.init_dir / "mlp.pt", plan.run_id)
     for cell in plan.references + plan.cells:
         for spec in get_case("mlp").optimizers:
             snap = run_cell(cell, spec, init, RankContext(0, 1, None), out / "scratch")

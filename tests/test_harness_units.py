@@ -177,3 +177,32 @@ def test_owner_of_maps_elements_to_the_rank_holding_them():
     dim0 = {"kind": "dim0", "rows": 5, "chunk_rows": 2, "world_size": 3}
     assert owner_of(dim0, torch.Size([5, 3]), 3 * 3) == 1  # row 3
     assert owner_of({"kind": "replicated"}, torch.Size([2]), 1) is None
+
+
+def test_progress_counts_cells_marked_complete_and_reads_records_once_at_the_end(tmp_path, monkeypatch):
+    import io
+    import json
+
+    import harness.run.orchestrate as orchestrate
+    from harness.run.plan import build_plan
+    from harness.run.snapshot import complete_path
+
+    plan = build_plan(cases=("mlp",), impls=("ours",), world_sizes=(1, 2), data_modes=("identical",), steps=2,
+                      out_dir=tmp_path / "run")
+    cells = [c for w in plan.world_sizes for c in plan.cells_for(w)]
+    reads = []
+    real = orchestrate.cell_done
+    monkeypatch.setattr(orchestrate, "cell_done", lambda p, c: reads.append(c.cell_id) or real(p, c))
+    stream = io.StringIO()
+    progress = orchestrate.Progress(plan, stream)
+    for cell in cells:  # every record on disk, one cell marked by the poller
+        path = complete_path(plan.snapshot_dir, cell.cell_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"run_id": plan.run_id, "cell_id": cell.cell_id}))
+    progress.mark(cells[0])
+    for _ in range(5):
+        progress.update(1)
+    assert reads == [] and f"1/{len(progress.all_cells)} cells done" in stream.getvalue()
+    progress.update(2, recount=True)
+    assert sorted(reads) == sorted(c.cell_id for c in progress.all_cells)
+    assert stream.getvalue().splitlines()[-1].startswith(f"[harness] {len(cells)}/{len(progress.all_cells)} cells done")

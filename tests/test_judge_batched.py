@@ -26,7 +26,7 @@ from harness.judge.diff import check_snapshot
 from harness.judge.segments import Segments, judge_segments
 from harness.run.orchestrate import write_init_states
 from harness.run.plan import build_plan
-from harness.run.snapshot import load_state
+from harness.run.snapshot import load_init
 from harness.run.worker import run_cell
 
 CASES = (("mlp", "sgd"), ("frozen_params", "adamw"), ("tied_embeddings", "sgd"), ("clip_grad_norm", "adamw"),
@@ -41,7 +41,7 @@ def evidence(request, tmp_path_factory):
     plan = build_plan(cases=(case_name,), impls=("ours",), world_sizes=(1,), data_modes=("identical",), steps=STEPS,
                       out_dir=out)
     write_init_states(plan)
-    init = load_state(plan.init_dir / f"{case_name}.pt", plan.run_id)
+    init, _ = load_init(plan.init_dir / f"{case_name}.pt", plan.run_id)
     spec = get_case(case_name).optimizer(optimizer)
     (ref_cell,), (cell,) = plan.references, plan.cells
     ctx = RankContext(0, 1, None)

@@ -22,7 +22,7 @@ from harness.judge.result import CHECK_ORDER, Violation
 from harness.adapters import RankContext
 from harness.run.orchestrate import write_init_states
 from harness.run.plan import build_plan
-from harness.run.snapshot import load_state
+from harness.run.snapshot import load_init
 from harness.run.worker import run_cell
 
 STEPS = 3
@@ -34,7 +34,7 @@ def evidence(tmp_path_factory):
     plan = build_plan(cases=("mlp",), impls=("ours",), world_sizes=(1,), data_modes=("identical",), steps=STEPS,
                       out_dir=out)
     write_init_states(plan)
-    init = load_state(plan.init_dir / "mlp.pt", plan.run_id)
+    init, _ = load_init(plan.init_dir / "mlp.pt", plan.run_id)
     spec = get_case("mlp").optimizer("sgd")
     (ref_cell,), (cell,) = plan.references, plan.cells
     ctx = RankContext(0, 1, None)

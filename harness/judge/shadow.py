@@ -68,7 +68,7 @@ def _local_loss(model: nn.Module, loss_fn, inputs, targets) -> torch.Tensor:
 
 def load_nonpersistent_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
     """Copy the buffers a state_dict leaves out (registered with persistent=False) from `buffers`,
-    the reference model's as built (harness/run/snapshot.py `load_buffers`)."""
+    the reference model's as built (harness/run/snapshot.py `load_init`)."""
     persistent = set(model.state_dict())
     with torch.no_grad():
         for name, b in model.named_buffers():

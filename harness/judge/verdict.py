@@ -22,7 +22,7 @@ from harness.run.evidence import (EvidenceError, check_same_steps, check_snapsho
                                   model_parameters)
 from harness.run.outcome import RunOutcome
 from harness.run.plan import Cell, RunPlan
-from harness.run.snapshot import load_buffers, load_snapshot, load_state, snapshot_path
+from harness.run.snapshot import load_init, load_snapshot, snapshot_path
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Judge:
             for name in case_names:
                 path = plan.init_dir / f"{get_case(name).name}.pt"
                 try:
-                    init_states[name] = load_state(path, plan.run_id), load_buffers(path, plan.run_id)
+                    init_states[name] = load_init(path, plan.run_id)
                 except Exception as e:
                     init_states[name] = f"initial state {path} unusable: {type(e).__name__}: {e}"
             parameters = {name: (*model_parameters(name), model_buffers(name)) for name in case_names}

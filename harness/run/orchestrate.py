@@ -85,9 +85,17 @@ class Progress:
         self.tty = stream.isatty()
         self.last = ""
         self.start = time.monotonic()
+        self.done: set[str] = set()  # cell ids seen complete (a completion record is never taken back)
 
-    def update(self, world_size: int) -> None:
-        done = sum(cell_done(self.plan, c) for c in self.all_cells)
+    def mark(self, cell: Cell) -> None:
+        self.done.add(cell.cell_id)
+
+    def update(self, world_size: int, recount: bool = False) -> None:
+        """The line, counting the cells marked complete (every cell's record read again with
+        `recount`: once, at the end, rather than dozens of files at every poll)."""
+        if recount:
+            self.done = {c.cell_id for c in self.all_cells if cell_done(self.plan, c)}
+        done = len(self.done)
         line = (f"[harness] {done}/{len(self.all_cells)} cells done, running W={world_size}, "
                 f"{time.monotonic() - self.start:.0f}s")
         if line.split(",")[:2] != self.last.split(",")[:2]:
@@ -175,8 +183,11 @@ def _poller(clock: _WorldSizeClock, progress: Progress | None,
     def poll() -> None:
         nonlocal reported
         clock.tick()
-        while on_cell_complete is not None and reported < clock.done:
-            on_cell_complete(clock.cells[reported])
+        while reported < clock.done:
+            if on_cell_complete is not None:
+                on_cell_complete(clock.cells[reported])
+            if progress is not None:
+                progress.mark(clock.cells[reported])
             reported += 1
         if progress is not None:
             progress.update(clock.world_size)
@@ -240,7 +251,7 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
                 pending = [c for c in pending if _runs_at(plan, c) != hung]
             attempt += 1
     if progress is not None:
-        progress.update(plan.world_sizes[-1])
+        progress.update(plan.world_sizes[-1], recount=True)
         progress.finish()
     outcome.wall_s = time.monotonic() - start
     return outcome

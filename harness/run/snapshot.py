@@ -270,26 +270,21 @@ def save_state(path: Path, state: dict[str, torch.Tensor], run_id: str,
     write_atomic_bytes(path, lambda f: torch.save(payload, f))
 
 
-def _load_init(path: Path, run_id: str, key: str) -> dict[str, torch.Tensor]:
+def load_init(path: Path, run_id: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(state, buffers) saved by `save_state` of run `run_id`, from one read of the file;
+    ValueError for anything else."""
     payload = torch.load(path, weights_only=True, map_location="cpu")
     if not isinstance(payload, dict) or payload.get("format") != INIT_FORMAT:
         raise ValueError(f"{path}: not a {INIT_FORMAT} initial state")
     if payload.get("run_id") != run_id:
         raise ValueError(f"{path}: written by run {payload.get('run_id')!r}, not by this run {run_id!r}")
-    state = payload.get(key)
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise ValueError(f"{path}: its {key} is not a dict of named tensors")
-    return state
-
-
-def load_state(path: Path, run_id: str) -> dict[str, torch.Tensor]:
-    """The state saved by `save_state` of run `run_id`; ValueError for anything else."""
-    return _load_init(path, run_id, "state")
-
-
-def load_buffers(path: Path, run_id: str) -> dict[str, torch.Tensor]:
-    """Every buffer of the reference model as `save_state` of run `run_id` saved it."""
-    return _load_init(path, run_id, "buffers")
+    parts = []
+    for key in ("state", "buffers"):
+        part = payload.get(key)
+        if not isinstance(part, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in part.items()):
+            raise ValueError(f"{path}: its {key} is not a dict of named tensors")
+        parts.append(part)
+    return parts[0], parts[1]
 
 
 def digest(t: torch.Tensor) -> int:

@@ -30,7 +30,7 @@ from harness.run import dist_faults
 from harness.run.plan import Cell
 from harness.run.rank import evidence_copy, rank_prologue, replica_digests, train_step
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
-from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, load_buffers, load_state,
+from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, load_init,
                                   save_snapshot, snapshot_path, write_atomic_text)
 from harness.judge.tolerance import NUM_PERTURBED_RUNS
 
@@ -304,8 +304,7 @@ def main(argv: list[str]) -> int:
         if ctx is None:
             continue  # this rank sits this world size out
         case = get_case(cell.case)
-        init_state = load_state(init_dir / f"{case.name}.pt", run_id)
-        init_buffers = load_buffers(init_dir / f"{case.name}.pt", run_id)
+        init_state, init_buffers = load_init(init_dir / f"{case.name}.pt", run_id)
         start = time.perf_counter()
         for spec in case.optimizers:
             if not resolve_impl(cell.impl).needs_process_group and ctx.rank != 0:
