@@ -485,7 +485,9 @@ def gather_full_many(pairs: list[tuple[FlatParamHandle, torch.Tensor]]) -> list[
             blocks, at = gathered.view(comm.shard_world_size, send.numel()), 0
             for i in run:
                 handle, numel = pairs[i][0], pairs[i][1].numel()
-                padded = blocks[:, at:at + numel].reshape(-1)  # rank after rank: a copy
+                # Rank after rank, copied into a buffer of its own: a view could keep the gathered
+                # row stride, which a one-element slot's clone would inherit.
+                padded = blocks[:, at:at + numel].contiguous().view(-1)
                 at += numel
                 out[i] = [v.clone() for v in unflatten_views(padded, handle.layout)]
     return out

@@ -71,3 +71,38 @@ def test_honest_examples_through_the_rank_pool_pass_and_reach_every_padding_edge
     missed = [edge for edge, hit in _edges(world_size).items() if not any(hit(n) for n in numels)]
     assert missed == [], f"W={world_size}: no drawn flat parameter at {missed}; aligned numels seen: {numels}"
     assert any(r.checks["padding"]["elements"] > 0 for r in results)
+
+
+PLUGINS = "tests/test_harness_plugins.py"
+
+
+@pytest.mark.slow
+def test_a_rank_failing_at_exit_leaves_no_verdict_though_every_example_passed(tmp_path):
+    # Rank 1 exits 3 after main() returned: every example's evidence came back and passed, yet the
+    # launch did not end cleanly, so (as for the matrix) nothing of it is a PASS.
+    proc = _fuzz("--world-size", "2", "--max-examples", "2", "--impls", f"{PLUGINS}:ExitNonZeroAtExitOnRank1",
+                 out=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "[fuzz] ERROR: no verdict: the pool's ranks did not end cleanly after the last example" in out, out[-3000:]
+    assert "torchrun exited 1 after the stop request" in out and "exitcode  : 3" in out, out[-3000:]
+    assert "PASS" not in out and "2 examples (shrinking included)" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_hanging_at_exit_is_named_with_its_stack_and_killed(tmp_path):
+    from harness.fuzz.check import run_example
+    from harness.fuzz.main import warm_up_spec
+    from harness.fuzz.pool import PoolConfig, PoolExitError, RankPool
+
+    pool = RankPool(PoolConfig(2, tmp_path / "logs", exit_grace_s=3.0))
+    pool.start()
+    launch = pool._launch
+    assert run_example(pool, warm_up_spec(2), (), f"{PLUGINS}:HangAtExitOnRank1").ok
+    with pytest.raises(PoolExitError) as caught:
+        pool.close()
+    text = str(caught.value)
+    assert "did not exit within 3 s of the stop request" in text and "[rank 1]" in text, text[-3000:]
+    assert "_hang_at_exit" in text, text[-3000:]  # the stack faulthandler dumped
+    assert launch.poll() is not None
+    pool.close()  # a second close is a no-op

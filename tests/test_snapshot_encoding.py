@@ -74,3 +74,16 @@ def test_contents_of_another_format_are_refused(tmp_path):
     torch.save({"format": FORMAT, "skeleton": '{"format": "other"}', "data": {}}, tmp_path / "b.pt")
     with pytest.raises(ValueError, match="not a fsdp-equiv-snapshot"):
         load_snapshot(tmp_path / "b.pt")
+
+
+def test_digest_is_of_the_values_whatever_the_strides():
+    from harness.run.snapshot import digest
+
+    rows = torch.arange(68.0).view(2, 34)
+    one = rows[:, 3:4].reshape(-1)[0:1].view(1, 1).clone()  # one element whose strides are (34, 34)
+    assert one.stride() == (34, 34)
+    assert digest(one) == digest(torch.tensor([[3.0]]))
+    column = rows[:, 3:4]  # (2, 1) with the row stride 34
+    assert digest(column) == digest(torch.tensor([[3.0], [37.0]])) != digest(torch.tensor([[37.0], [3.0]]))
+    assert digest(rows.t()) == digest(rows.t().contiguous()) != digest(rows)
+    assert digest(torch.ones(3, dtype=torch.bfloat16)) != digest(torch.ones(3))

@@ -28,7 +28,7 @@ from cases.catalog import CASES, OptimizerSpec
 from harness.judge.result import BOUNDED, JUDGED, Judgement, Verdict, first_of
 from harness.errors import UserError
 from harness.fuzz.check import ExampleResult, run_example
-from harness.fuzz.pool import PoolConfig, RankPool
+from harness.fuzz.pool import PoolConfig, PoolExitError, RankPool
 from harness.fuzz.spec import BlockSpec, ModelSpec
 from harness.run.dist_faults import DIST_FAULTS, NEVER_ACTED, check_faults
 from harness.run.output import OutputDir
@@ -248,14 +248,21 @@ def _corpus_evidence(out_dir: Path, faults: list[str], world_sizes: tuple[int, .
                      impl: str = "ours") -> dict[str, list[Evidence]]:
     by_fault: dict[str, list[Evidence]] = {}
     for w in world_sizes:
-        with RankPool(PoolConfig(w, out_dir / "logs", example_timeout_s=60.0)) as pool:
-            for name, spec in corpus_for(impl, w).items():
-                for fault in [HONEST, *faults]:
-                    res: ExampleResult = run_example(pool, spec, () if fault == HONEST else (fault,), impl)
-                    if res.refused is not None:  # the implementation refuses this model at wrap: no run
-                        continue
-                    by_fault.setdefault(fault, []).append(
-                        Evidence(source=f"fuzz {name} W={w}", violations=res.violations, margins=res.margins, error=res.error))
+        pool_evidence: list[tuple[str, Evidence]] = []
+        try:
+            with RankPool(PoolConfig(w, out_dir / "logs", example_timeout_s=60.0)) as pool:
+                for name, spec in corpus_for(impl, w).items():
+                    for fault in [HONEST, *faults]:
+                        res: ExampleResult = run_example(pool, spec, () if fault == HONEST else (fault,), impl)
+                        if res.refused is not None:  # the implementation refuses this model at wrap: no run
+                            continue
+                        pool_evidence.append((fault, Evidence(source=f"fuzz {name} W={w}", violations=res.violations,
+                                                              margins=res.margins, error=res.error)))
+        except PoolExitError as e:  # complete evidence from ranks that failed at exit: no verdict on any of it
+            pool_evidence = [(fault, Evidence(source=ev.source, error=f"the pool failed at exit: {e}"))
+                             for fault, ev in pool_evidence]
+        for fault, ev in pool_evidence:
+            by_fault.setdefault(fault, []).append(ev)
     return by_fault
 
 

@@ -26,7 +26,7 @@ from cases.catalog import OptimizerSpec
 from harness.judge.result import JUDGED
 from harness.errors import UserError
 from harness.fuzz.check import ExampleResult, run_example
-from harness.fuzz.pool import PoolConfig, RankPool
+from harness.fuzz.pool import PoolConfig, PoolExitError, RankPool
 from harness.fuzz.spec import MAX_NESTING, BlockSpec, ModelSpec, describe
 from harness.run.output import OutputDir
 from harness.run.plan import MAX_CPU_WORLD_SIZE
@@ -279,12 +279,16 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
         print(f"[fuzz] pool of {world_size} ranks started in {start_s:.1f}s", flush=True)
         if spec is not None:
             result = run_example(pool, spec, faults, impl)
+            exit_error = _close(pool)
             print(describe(spec))
             if result.refused is not None:  # not run, so not judged: never a pass
                 print(f"[fuzz] replay: NOT RUN: impl={impl} refused the model at wrap: {result.refused}")
                 return False
             print("[fuzz] replay: " + (f"pass (margins {_fmt_margins(result.margins)})" if result.ok
                                        else "FAIL\n" + format_failure(result, impl)))
+            if result.ok and exit_error is not None:
+                print(f"[fuzz] replay: ERROR: {exit_error}")
+                return False
             return result.ok
 
         def show(stats: FuzzStats, result: ExampleResult) -> None:
@@ -296,6 +300,7 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
         stats = fuzz(pool, world_size, max_examples, seed, faults, show, impl)
         wall = time.perf_counter() - wall
         restarts = pool.num_starts - 1
+        exit_error = _close(pool)
     rate = stats.num_examples / max(wall, 1e-9)
     print(f"[fuzz] impl={impl} W={world_size} seed={seed} faults={list(faults)}: {stats.num_examples} examples "
           f"(shrinking included) in {wall:.1f}s = {rate:.1f} examples/s; pool start-up {start_s:.1f}s "
@@ -311,11 +316,24 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
     if stats.failures:
         print("[fuzz] FAIL: " + format_failure(stats.failures[-1], impl))
         return False
+    if exit_error is not None:
+        print(f"[fuzz] ERROR: no verdict: {exit_error}")
+        return False
     if not stats.num_examples:  # nothing judged is no evidence: never a pass
         print(f"[fuzz] NOT RUN: impl={impl} refused every drawn model, so no example was judged")
         return False
     print(f"[fuzz] PASS: {stats.num_examples} examples, none failing")
     return True
+
+
+def _close(pool: RankPool) -> str | None:
+    """Stop the pool; what went wrong when its ranks did not end cleanly (their evidence, though
+    complete, then supports no verdict: harness/fuzz/pool.py `PoolExitError`), else None."""
+    try:
+        pool.close()
+    except PoolExitError as e:
+        return f"the pool's ranks did not end cleanly after the last example, so no example's evidence stands:\n{e}"
+    return None
 
 
 def _fmt_margins(margins: dict[str, float]) -> str:

@@ -22,7 +22,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from harness.errors import PoolLost
-from harness.run.launch import Launch, TorchrunSpec
+from harness.run.launch import EXIT_GRACE_S, Launch, TorchrunSpec
 from harness.run.outcome import EXTERNAL_SIGNALS, root_cause_signal
 from harness.run.snapshot import decode, encode
 
@@ -34,6 +34,12 @@ class ExampleError(Exception):
     """An example that produced no evidence: a rank raised, died or hung."""
 
 
+class PoolExitError(Exception):
+    """The pool's ranks did not end cleanly once told to stop (a rank raised, exited non-zero or
+    hung at exit): every example's evidence had come back, yet, as for a launch of the matrix
+    (harness/run/orchestrate.py), no verdict stands on evidence from a launch that failed after it."""
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     world_size: int
@@ -41,12 +47,14 @@ class PoolConfig:
     threads: int = 1
     example_timeout_s: float = 60.0
     start_timeout_s: float = 120.0
+    exit_grace_s: float = EXIT_GRACE_S  # for the ranks to exit once told to stop
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"PoolConfig world_size={self.world_size} must be >= 1")
-        if not (self.example_timeout_s > 0 and self.start_timeout_s > 0):
-            raise ValueError(f"PoolConfig timeouts example={self.example_timeout_s} start={self.start_timeout_s} must be > 0")
+        if not (self.example_timeout_s > 0 and self.start_timeout_s > 0 and self.exit_grace_s > 0):
+            raise ValueError(f"PoolConfig timeouts example={self.example_timeout_s} start={self.start_timeout_s} "
+                             f"exit={self.exit_grace_s} must be > 0")
 
 
 class RankPool:
@@ -86,15 +94,27 @@ class RankPool:
             self.start_s += time.monotonic() - started
 
     def close(self) -> None:
+        """Tell the ranks to stop and wait for them to exit; PoolExitError (with the ranks'
+        tracebacks, or their stacks) when they do not exit 0 within exit_grace_s. Nothing of the
+        launch survives either way."""
         if self._launch is None:
             return
-        if self._launch.poll() is None:
+        launch, what = self._launch, None
+        if launch.poll() is None:
             try:
                 self._store.set(f"req/{self._next}", encode({"stop": True}))
-                self._launch.wait(10)
-            except Exception:  # a stuck or dead pool is killed below either way
+            except Exception:  # a dead store: torchrun's exit status says what happened
                 pass
+            if not launch.wait(self.config.exit_grace_s):
+                launch.dump_stacks()
+                what = (f"its ranks did not exit within {self.config.exit_grace_s:g} s of the stop request "
+                        f"(their stacks below)")
+        if what is None and launch.returncode != 0:
+            what = f"torchrun exited {launch.returncode} after the stop request (a rank failed at exit)"
+        text = None if what is None else launch.failure_text(f"pool W={self.config.world_size}: {what}")
         self._kill()
+        if text is not None:
+            raise PoolExitError(text)
 
     def _kill(self) -> None:
         if self._launch is None:
@@ -114,8 +134,11 @@ class RankPool:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # already failing (a lost rank, Ctrl-C): end the launch, no grace
+            self._kill()
 
     # -- requests -----------------------------------------------------------------------------------
     def _wait(self, keys: list[str], timeout_s: float, what: str) -> None:

@@ -28,7 +28,7 @@ from harness.adapters.base import RankContext
 from harness.adapters.ours import Ours
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
-from harness.run.rank import evidence_copy, rank_prologue, replica_digests, train_step
+from harness.run.rank import pick_evidence, rank_prologue, replica_digests, train_step
 from harness.run.snapshot import decode, encode
 
 
@@ -81,12 +81,17 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
     case = as_case(spec)
     model = case.build_model()
     model.load_state_dict(init)
+    # The plain model's names, as the matrix worker picks them: a full state dict also names every
+    # alias of a tied parameter, which the reference does not.
+    names = [n for n, _ in model.named_parameters()]
+    grad_names = [n for n, p in model.named_parameters() if p.requires_grad]
+    who = f"rank {ctx.rank}: impl={impl}"
     try:
         wrapped = adapter.wrap(model, case.wrap, replace(ctx, faults=faults))
     except ValueError as e:  # a clear refusal of this model (FSDP2: 0-d parameters), before any collective
         return {"refused": f"{impl}: {e}"}
     optim = adapter.make_optimizer(wrapped, spec.optimizer, case.features)
-    init_params = evidence_copy(adapter.full_params(wrapped))
+    init_params = pick_evidence(adapter.full_params(wrapped), names, f"{who} full_params")
     losses, step_grads, step_params, replicas = [], [], [], []
     for step in range(1, spec.steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
@@ -94,9 +99,10 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
         # An adapter that owns its step (an engine's backward) maps a single micro-batch only
         # (fuzz/main.py `specs_for`), so it never meets sync_every_micro.
         loss, grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, spec.accumulation,
-                                 case.features, lambda: evidence_copy(adapter.full_grads(wrapped)),
+                                 case.features,
+                                 lambda: pick_evidence(adapter.full_grads(wrapped), grad_names, f"{who} full_grads"),
                                  spec.sync_every_micro)
-        params = evidence_copy(adapter.full_params(wrapped))
+        params = pick_evidence(adapter.full_params(wrapped), names, f"{who} full_params")
         step_grads.append(grads)
         step_params.append(params)
         losses.append(loss)

@@ -32,6 +32,10 @@ from harness.run.plan import Cell, RunPlan, write_launch_plan
 LAUNCH_ID_VAR = "HARNESS_LAUNCH_ID"
 STACK_DUMP_GRACE_S = 1.5
 POLL_S = 0.2
+# Seconds a launch's ranks have to exit once their work is done (every cell complete, the fuzz
+# pool told to stop): a rank hanging in destroy_process_group or an atexit hook costs this, not
+# a whole timeout. Their evidence is not judged then (harness/run/orchestrate.py).
+EXIT_GRACE_S = 60.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

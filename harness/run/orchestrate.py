@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from cases.catalog import get_case
-from harness.run.launch import launch
+from harness.run.launch import EXIT_GRACE_S, launch
 from harness.run.outcome import LaunchResult, RunOutcome
 from harness.run.plan import Cell, RunPlan
 from harness.run.snapshot import complete_path, save_state
@@ -139,9 +139,6 @@ def _launch_groups(plan: RunPlan) -> list[tuple[Cell, ...]]:
 def _runs_at(plan: RunPlan, cell: Cell) -> int:
     """The world size whose ranks run `cell`: the references run with the smallest (rank 0 alone)."""
     return plan.world_sizes[0] if cell.is_reference else cell.world_size
-
-
-EXIT_GRACE_S = 60.0  # seconds a launch's ranks have to exit once every cell of it is complete
 
 
 class _WorldSizeClock:

@@ -56,6 +56,16 @@ def evidence_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
 
 
+def pick_evidence(tensors: dict[str, torch.Tensor], names: list[str], what: str) -> dict[str, torch.Tensor]:
+    """`evidence_copy` of the plain model's `names` out of what an adapter handed back (a full state
+    dict also names every alias of a tied parameter); RuntimeError naming `what` when one is missing."""
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise RuntimeError(f"{what} lack parameters {missing[:4]} (has {sorted(tensors)[:4]}...); the adapter must "
+                           f"use the plain model's names")
+    return evidence_copy({n: tensors[n] for n in names})
+
+
 def replica_digests(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict:
     """This rank's replicas evidence: {"names": parameter names, then "<name> (grad)", in the dicts'
     order, "digests": a 52-bit digest of each}; every rank's must agree bitwise (the replicas check)."""

@@ -289,5 +289,7 @@ def load_init(path: Path, run_id: str) -> tuple[dict[str, torch.Tensor], dict[st
 
 def digest(t: torch.Tensor) -> int:
     """A 52-bit digest of a tensor's bytes (exact in float64): equal digests, equal bits."""
-    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    # A copy in row-major strides: contiguous() keeps a one-element tensor's odd stride, which
+    # view(torch.uint8) refuses.
+    raw = t.detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8).numpy().tobytes()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 52) - 1)

@@ -28,7 +28,7 @@ from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
 from harness.run.plan import Cell
-from harness.run.rank import evidence_copy, rank_prologue, replica_digests, train_step
+from harness.run.rank import pick_evidence, rank_prologue, replica_digests, train_step
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
 from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, load_init,
                                   save_snapshot, snapshot_path, write_atomic_text)
@@ -36,13 +36,7 @@ from harness.judge.tolerance import NUM_PERTURBED_RUNS
 
 
 def _pick(tensors: dict[str, torch.Tensor], names: list[str], what: str, ctx: RankContext, cell: Cell) -> dict:
-    missing = [n for n in names if n not in tensors]
-    if missing:
-        raise RuntimeError(
-            f"rank {ctx.rank}: impl={cell.impl} {what} lack parameters {missing[:4]} "
-            f"(has {sorted(tensors)[:4]}...); the adapter must use the plain model's names"
-        )
-    return evidence_copy({n: tensors[n] for n in names})
+    return pick_evidence(tensors, names, f"rank {ctx.rank}: impl={cell.impl} {what}")
 
 
 def _all_gather_rows(t: torch.Tensor, ctx: RankContext) -> torch.Tensor:
