@@ -272,6 +272,23 @@ def _join_world(world: RankContext, world_size: int, segment: int, backend: str)
     return RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, world.device)
 
 
+def _import_dynamo_in_turn(world: RankContext, sizes: list[int]) -> None:
+    """The first optimizer of a process imports torch._dynamo (torch.optim's constructors are
+    wrapped by torch._compile._disable_dynamo): seconds of CPU per rank. Done here, in turns: the
+    ranks of the first world size at once; a rank that first trains at world size W once every
+    rank of the world size before W has (it imports while those ranks train, which leaves CPU
+    idle waiting on each other's collectives, instead of competing with rank 0's own import)."""
+    first = next((w for w in sizes if w > world.rank), sizes[-1])  # the first world size this rank trains at
+    before = max((w for w in sizes if w < first), default=0)
+    store = dist.PrefixStore("harness/dynamo", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                             is_master=False, timeout=SEGMENT_WAIT))
+    if before:
+        store.wait([f"imported/{r}" for r in range(before)], SEGMENT_WAIT)
+    import torch._dynamo  # noqa: F401
+
+    store.set(f"imported/{world.rank}", "1")
+
+
 def main(argv: list[str]) -> int:
     plan = json.loads(Path(argv[1]).read_text())
     backend = plan.get("backend", "gloo")
@@ -284,10 +301,7 @@ def main(argv: list[str]) -> int:
         raise RuntimeError(f"rank {world.rank}: the plan's cells run at world sizes {sizes}: they must ascend and "
                            f"end at this launch's {world.world_size} ranks")
     init_dir, snapshot_dir, run_id = Path(plan["init_dir"]), Path(plan["snapshot_dir"]), plan["run_id"]
-    # The first optimizer of a process imports torch._dynamo (torch.optim's constructors are
-    # wrapped by torch._compile._disable_dynamo), seconds of CPU: done here, a rank that sits the
-    # small world sizes out pays it while the ranks below train, not on their critical path.
-    import torch._dynamo  # noqa: F401
+    _import_dynamo_in_turn(world, sorted(set(sizes)) or [world.world_size])
     ctx: RankContext | None = world  # this rank in the current world size's group, None: sitting out
     current, segment = world.world_size, -1
     for i, cell in enumerate(cells):
