@@ -28,7 +28,7 @@ from harness.adapters.base import RankContext
 from harness.adapters.ours import Ours
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
-from harness.run.rank import pick_evidence, rank_prologue, replica_digests, train_step
+from harness.run.rank import pick_evidence, rank_epilogue, rank_prologue, replica_digests, train_step
 from harness.run.snapshot import decode, encode
 
 
@@ -140,7 +140,7 @@ def main(argv: list[str]) -> int:
         if "error" in reply:
             break  # the pool is restarted: other ranks may be stuck in a collective
         i += 1
-    dist.destroy_process_group()
+    rank_epilogue()
     return 0
 
 

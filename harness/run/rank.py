@@ -11,6 +11,7 @@ torchrun's own (LOCAL_RANK, and RANK, WORLD_SIZE, MASTER_* inside init_process_g
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import signal
 from datetime import timedelta
@@ -48,6 +49,17 @@ def rank_prologue(threads: int, backend: str = "gloo", device: str = "cpu",
     else:
         dist.init_process_group(backend, timeout=timedelta(seconds=collective_timeout_s))
     return RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, rank_device)
+
+
+def rank_epilogue() -> None:
+    """The last thing every rank does before returning from main: leave the process group, then
+    freeze the objects alive now out of the cyclic garbage collector. Interpreter exit still runs
+    every atexit hook and tears every module down (a rank that raises, exits non-zero or hangs
+    there still fails its launch); it skips only the final collection's walk over the million
+    objects torch and torch._dynamo leave, about a second of CPU per rank, eight ranks on two cores."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.freeze()
 
 
 def evidence_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

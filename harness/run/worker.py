@@ -28,7 +28,7 @@ from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
 from harness.run.plan import Cell
-from harness.run.rank import pick_evidence, rank_prologue, replica_digests, train_step
+from harness.run.rank import pick_evidence, rank_epilogue, rank_prologue, replica_digests, train_step
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
 from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, load_init,
                                   save_snapshot, snapshot_path, write_atomic_text)
@@ -330,8 +330,7 @@ def main(argv: list[str]) -> int:
         if ctx.rank == 0:
             print(f"[harness] W={ctx.world_size} cell {i + 1}/{len(cells)} {cell.cell_id} "
                   f"{time.perf_counter() - start:.2f}s", flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    rank_epilogue()
     return 0
 
 
