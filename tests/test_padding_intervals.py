@@ -15,7 +15,7 @@ from harness.fuzz.main import OPTIMIZERS
 from harness.fuzz.worker import run_example
 from harness.run.snapshot import decode, encode
 from harness.adapters import RankContext, RawShard
-from harness.run.worker import _gather_step_evidence
+from harness.run.worker import StepParts, gather_evidence, steps_per_gather
 
 # A unit holding a 0-d gain, a 3-element aux parameter and a Linear: three alignment gaps.
 _SPEC = ModelSpec(1, 3, 2, (BlockSpec(width=2, gain=True, aux_numel=3),), OPTIMIZERS[0])
@@ -71,10 +71,42 @@ def test_step_evidence_carries_a_different_number_of_intervals_per_shard():
         RawShard("c/_flat_param", torch.zeros(9), None, ((1, 3), (4, 5), (8, 9))),
     ]
     digests = [(1 << 52) - 1, 7]  # the largest digest survives the float64 trip exactly
-    losses, replica_digests, shards, grads, intervals = _gather_step_evidence(
-        torch.tensor(2.5), raws, digests, RankContext(0, 1, None))
-    assert losses.tolist() == [2.5] and replica_digests.tolist() == [digests]
-    assert intervals == {"a/_flat_param": [[]], "b/_flat_param": [[[0, 1]]],
-                         "c/_flat_param": [[[1, 3], [4, 5], [8, 9]]]}
-    assert torch.equal(shards["a/_flat_param"], torch.arange(6.0).unsqueeze(0))
-    assert torch.equal(grads["b/_flat_param"], torch.ones(1, 4)) and set(grads) == {"b/_flat_param"}
+    (ev,) = gather_evidence([StepParts.take(torch.tensor(2.5), raws, digests)], RankContext(0, 1, None))
+    assert ev.losses.tolist() == [2.5] and ev.digests.tolist() == [digests]
+    assert ev.padding_intervals == {"a/_flat_param": [[]], "b/_flat_param": [[[0, 1]]],
+                                    "c/_flat_param": [[[1, 3], [4, 5], [8, 9]]]}
+    assert torch.equal(ev.shards["a/_flat_param"], torch.arange(6.0).unsqueeze(0))
+    assert torch.equal(ev.shard_grads["b/_flat_param"], torch.ones(1, 4)) and set(ev.shard_grads) == {"b/_flat_param"}
+
+
+def test_steps_gathered_together_come_back_each_as_it_was_taken():
+    """Several steps in one gather: each step's values, dtypes and intervals as they were when
+    taken, although the shard changed in place after (as an implementation's live shard does)."""
+    live = torch.arange(4, dtype=torch.float64)  # float64: a conversion to float64 alone would not copy it
+    low = torch.arange(3, dtype=torch.bfloat16)
+    grad = torch.full((4,), 0.5, dtype=torch.float16)
+    parts = [StepParts.take(torch.tensor(1.0), [RawShard("u/_flat_param", live, None, ((3, 4),)),
+                                                RawShard("v/_flat_param", low, None, ())], [11])]
+    live.add_(10)  # the next step moves the live shards
+    low.add_(10)
+    parts.append(StepParts.take(torch.tensor(2.0, dtype=torch.float64),
+                                [RawShard("u/_flat_param", live, grad, ((2, 3), (3, 4))),
+                                 RawShard("v/_flat_param", low, None, ())], [22]))
+    first, second = gather_evidence(parts, RankContext(0, 1, None))
+    assert torch.equal(first.shards["u/_flat_param"], torch.arange(4, dtype=torch.float64).unsqueeze(0))
+    assert torch.equal(second.shards["u/_flat_param"], (torch.arange(4) + 10).double().unsqueeze(0))
+    assert torch.equal(first.shards["v/_flat_param"], torch.arange(3, dtype=torch.bfloat16).unsqueeze(0))
+    assert torch.equal(second.shards["v/_flat_param"], (torch.arange(3) + 10).to(torch.bfloat16).unsqueeze(0))
+    assert first.shard_grads == {} and torch.equal(second.shard_grads["u/_flat_param"], grad.unsqueeze(0))
+    assert second.shard_grads["u/_flat_param"].dtype == torch.float16
+    assert (first.losses.dtype, second.losses.dtype) == (torch.float32, torch.float64)
+    assert first.losses.tolist() == [1.0] and second.losses.tolist() == [2.0]
+    assert first.digests.tolist() == [[11]] and second.digests.tolist() == [[22]]
+    assert first.padding_intervals == {"u/_flat_param": [[[3, 4]]], "v/_flat_param": [[]]}
+    assert second.padding_intervals == {"u/_flat_param": [[[2, 3], [3, 4]]], "v/_flat_param": [[]]}
+
+
+def test_a_batch_of_steps_is_bounded_by_the_gathered_bytes():
+    assert steps_per_gather(1000) > 100  # a test model: every step in one gather
+    assert steps_per_gather(10**9) == 1  # a large model: one step per gather, as before batching
+    assert steps_per_gather(0) >= 1

@@ -176,13 +176,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_DTYPE_NAMES = {d: _dtype_name(d) for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                            torch.int32, torch.bool, torch.uint8)}
+
+
 def _skeleton(obj, pieces: dict[str, list[torch.Tensor]], offsets: dict[str, int]):
     """`obj` as JSON-ready containers; every tensor's values appended to `pieces` of its dtype."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().to("cpu").contiguous()
-        name = _dtype_name(t.dtype)
+    if isinstance(obj, torch.Tensor):  # the cheapest calls: a snapshot holds hundreds of small tensors
+        t = obj.detach() if obj.requires_grad else obj
+        if t.device.type != "cpu":
+            t = t.cpu()
+        name = _DTYPE_NAMES.get(t.dtype) or _dtype_name(t.dtype)
         at = offsets.get(name, 0)
-        pieces.setdefault(name, []).append(t.reshape(-1))
+        pieces.setdefault(name, []).append(t.reshape(-1))  # torch.cat copies: a view is enough here
         offsets[name] = at + t.numel()
         return {_TENSOR: [name, at, list(t.shape)]}
     if isinstance(obj, (str, bool, int, float)) or obj is None:

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from datetime import timedelta
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,9 +49,51 @@ def _all_gather_rows(t: torch.Tensor, ctx: RankContext) -> torch.Tensor:
     return out.view(ctx.world_size, -1)
 
 
-def _gather_step_evidence(loss: torch.Tensor, raws: list[RawShard], digests: list[int], ctx: RankContext):
-    """Every rank's loss and raw shards (data, grad, padding intervals) in two all-gathers: with 8
-    ranks on 2 cores each collective costs milliseconds, and a step has dozens of shards.
+@dataclass(frozen=True)
+class StepParts:
+    """One step's evidence on this rank, copied when taken (an implementation's shards change in
+    place under it), gathered with the other steps of its batch (`gather_evidence`)."""
+
+    loss: torch.Tensor  # (1,) float64
+    digests: list[int]
+    raws: tuple[RawShard, ...]  # float64 copies
+    dtypes: tuple[torch.dtype, ...]  # the loss's, then each raw shard's data and gradient dtypes
+
+    @classmethod
+    def take(cls, loss: torch.Tensor, raws: list[RawShard], digests: list[int]) -> StepParts:
+        def copy(t: torch.Tensor | None) -> torch.Tensor | None:  # fp32, bf16 and fp16 values are exact in fp64
+            return None if t is None else t.detach().reshape(-1).to(torch.float64, copy=True)
+
+        return cls(copy(loss), list(digests),
+                   tuple(RawShard(raw.key, copy(raw.data), copy(raw.grad), tuple(raw.padding_intervals)) for raw in raws),
+                   (loss.dtype, *[t.dtype for raw in raws for t in (raw.data, raw.grad) if t is not None]))
+
+
+@dataclass(frozen=True)
+class StepEvidence:
+    """One step's evidence of every rank, rows in rank order."""
+
+    losses: torch.Tensor  # (W,) in the loss's dtype
+    digests: torch.Tensor  # (W, len(digests)) int64
+    shards: dict[str, torch.Tensor]  # key -> (W, shard_numel)
+    shard_grads: dict[str, torch.Tensor]  # keys whose gradient every rank has
+    padding_intervals: dict[str, list]  # key -> per rank [[start, end), ...]
+
+
+# Evidence is gathered once per batch of steps: with 8 ranks on 2 cores a gloo collective costs
+# milliseconds (harness/bench), two per step were a tenth of a cell's time. A batch holds the
+# steps whose gathered rows (data and gradient in float64, every rank) fit in this many bytes,
+# counted from the plain model's size, the same on every rank (each rank must enter the same gathers).
+EVIDENCE_BATCH_BYTES = 64 << 20
+
+
+def steps_per_gather(num_plain_elements: int) -> int:
+    return max(1, EVIDENCE_BATCH_BYTES // max(1, 2 * 8 * num_plain_elements))
+
+
+def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEvidence]:
+    """Every rank's loss, digests and raw shards (data, grad, padding intervals) of `parts`' steps
+    in two all-gathers.
 
     A shard's number of padding intervals differs between ranks (alignment gaps fall into some
     shards only), so a first small all-gather agrees on each key's maximum count; each rank then
@@ -59,32 +101,48 @@ def _gather_step_evidence(loss: torch.Tensor, raws: list[RawShard], digests: lis
     The same all-gather agrees on which shard gradients every rank has: torch FSDP1 leaves the
     gradient of a shard that is all padding None, so such a key records no shard gradients.
     """
-    num = len(raws)
-    counts = torch.tensor([len(raw.padding_intervals) for raw in raws] + [raw.grad is not None for raw in raws],
-                          dtype=torch.float64, device=loss.device)
-    agreed = _all_gather_rows(counts, ctx) if raws else torch.zeros(1, 0)
-    capacity = agreed[:, :num].amax(dim=0).long().tolist()
-    every_grad = agreed[:, num:].amin(dim=0).bool().tolist()  # every rank has this shard's gradient
-    parts = [loss.detach().double().reshape(1), torch.tensor(digests, dtype=torch.float64, device=loss.device)]
-    for raw, cap, has_grad in zip(raws, capacity, every_grad):
-        intervals = list(raw.padding_intervals) + [(0, 0)] * (cap - len(raw.padding_intervals))
-        parts += [raw.data.double(), torch.tensor(intervals, dtype=torch.float64, device=loss.device).reshape(-1)]
-        if has_grad:
-            parts.append(raw.grad.double())
-    rows = _all_gather_rows(torch.cat(parts), ctx).cpu()  # (W, n); fp32 values are exact in fp64
-    losses = rows[:, 0].to(loss.dtype)
-    replica_digests = rows[:, 1 : 1 + len(digests)].long()
-    shards, shard_grads, padding_intervals, at = {}, {}, {}, 1 + len(digests)
-    for raw, cap, has_grad in zip(raws, capacity, every_grad):
-        n = raw.data.numel()
-        shards[raw.key] = rows[:, at : at + n].to(raw.data.dtype)
-        per_rank = rows[:, at + n : at + n + 2 * cap].long().view(ctx.world_size, cap, 2).tolist()
-        padding_intervals[raw.key] = [[[a, b] for a, b in ivs if b > a] for ivs in per_rank]
-        at += n + 2 * cap
-        if has_grad:
-            shard_grads[raw.key] = rows[:, at : at + n].to(raw.grad.dtype)
-            at += n
-    return losses, replica_digests, shards, shard_grads, padding_intervals
+    counts = [float(c) for p in parts for c in [len(raw.padding_intervals) for raw in p.raws]
+              + [raw.grad is not None for raw in p.raws]]
+    device = parts[0].loss.device
+    agreed = (_all_gather_rows(torch.tensor(counts, dtype=torch.float64, device=device), ctx).cpu() if counts
+              else torch.zeros(1, 0))
+    layout, at = [], 0  # per step: (per shard: intervals capacity, every rank has its grad)
+    for p in parts:
+        num = len(p.raws)
+        capacity = agreed[:, at : at + num].amax(dim=0).long().tolist()
+        every_grad = agreed[:, at + num : at + 2 * num].amin(dim=0).bool().tolist()
+        layout.append(list(zip(capacity, every_grad)))
+        at += 2 * num
+    send = []
+    for p, shape in zip(parts, layout):
+        send += [p.loss, torch.tensor(p.digests, dtype=torch.float64, device=device)]
+        for raw, (cap, has_grad) in zip(p.raws, shape):
+            intervals = list(raw.padding_intervals) + [(0, 0)] * (cap - len(raw.padding_intervals))
+            send += [raw.data, torch.tensor(intervals, dtype=torch.float64, device=device).reshape(-1)]
+            if has_grad:
+                send.append(raw.grad)
+    rows = _all_gather_rows(torch.cat(send), ctx).cpu()  # (W, n)
+    out, at = [], 0
+    for p, shape in zip(parts, layout):
+        dtypes = iter(p.dtypes)
+        losses = rows[:, at].to(next(dtypes))
+        digests = rows[:, at + 1 : at + 1 + len(p.digests)].long()
+        at += 1 + len(p.digests)
+        shards, shard_grads, padding_intervals = {}, {}, {}
+        for raw, (cap, has_grad) in zip(p.raws, shape):
+            n = raw.data.numel()
+            shards[raw.key] = rows[:, at : at + n].to(next(dtypes))
+            per_rank = rows[:, at + n : at + n + 2 * cap].long().view(ctx.world_size, cap, 2).tolist()
+            padding_intervals[raw.key] = [[[a, b] for a, b in ivs if b > a] for ivs in per_rank]
+            at += n + 2 * cap
+            grad_dtype = next(dtypes) if raw.grad is not None else None
+            if has_grad:
+                shard_grads[raw.key] = rows[:, at : at + n].to(grad_dtype)
+                at += n
+        out.append(StepEvidence(losses, digests, shards, shard_grads, padding_intervals))
+    if at != rows.shape[1]:
+        raise RuntimeError(f"rank {ctx.rank}: gathered {rows.shape[1]} evidence values per rank, read {at}")
+    return out
 
 
 def _check_refused_wrap(case: Case, adapter: Adapter, ctx: RankContext) -> None:
@@ -183,6 +241,9 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     pending_digests = [digest(init_bufs[n]) for n in buffer_names]  # gathered with step 1's evidence
     steps, params_before, buffers_before = [], init_params, init_bufs
     init_buffer_digests = None  # (W, buffers): set from step 1's gather
+    per_gather = steps_per_gather(sum(p.numel() for p in plain.parameters()))
+    # Steps taken, not gathered yet: (step, this rank's parts, number of replica digests, rank 0's record).
+    pending: list[tuple[int, StepParts, int, dict]] = []
     for step in range(1, cell.steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = map_tensors(lambda t: t.to(ctx.device),
@@ -197,22 +258,29 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         # every rank's buffers (before step 1 too), judged against the replay.
         replicas = replica_digests(params, grads)
         digests = replicas["digests"] + [digest(buffers[n]) for n in buffer_names] + pending_digests
-        losses, all_digests, shards, shard_grads, padding_intervals = _gather_step_evidence(
-            loss, adapter.raw_shards(wrapped), digests, ctx)
-        num_replicas = len(replicas["names"])
-        replicas["digests"] = all_digests[:, :num_replicas]
-        buffer_digests = all_digests[:, num_replicas:num_replicas + len(buffer_names)]
-        if step == 1:
-            init_buffer_digests = all_digests[:, num_replicas + len(buffer_names):]
-            pending_digests = []
+        pending_digests = []
+        record = {}
         if shadow is not None:
-            steps.append(StepRecord(
-                step, losses, grads, params, Buffers(buffers, buffer_digests),
-                shadow.step(params_before, batch, cell.data_mode, ctx.world_size, buffers_before=buffers_before),
-                shards, shard_grads, padding_intervals,
-                replicas,
-                adapter.layouts(wrapped)))
+            record = {"grads": grads, "params": params, "buffers": buffers, "replica_names": replicas["names"],
+                      "shadow": shadow.step(params_before, batch, cell.data_mode, ctx.world_size,
+                                            buffers_before=buffers_before),
+                      "layouts": adapter.layouts(wrapped)}
+        pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests), len(replicas["names"]),
+                        record))
         params_before, buffers_before = params, buffers
+        if len(pending) == per_gather or step == cell.steps:
+            gathered = gather_evidence([parts for _, parts, _, _ in pending], ctx)
+            for (taken, _, num_replicas, record), ev in zip(pending, gathered):
+                buffer_digests = ev.digests[:, num_replicas:num_replicas + len(buffer_names)]
+                if taken == 1:
+                    init_buffer_digests = ev.digests[:, num_replicas + len(buffer_names):]
+                if record:
+                    steps.append(StepRecord(
+                        taken, ev.losses, record["grads"], record["params"], Buffers(record["buffers"], buffer_digests),
+                        record["shadow"], ev.shards, ev.shard_grads, ev.padding_intervals,
+                        {"names": record["replica_names"], "digests": ev.digests[:, :num_replicas]},
+                        record["layouts"]))
+            pending = []
         if step in reshard_steps:
             shard_size = max(1, ctx.world_size // 2 ** (reshard_steps.index(step) + 1))
             directory = scratch_dir / f"{cell.cell_id}.{spec.kind}.step{step}"
