@@ -1,6 +1,6 @@
 """Inside every rank: pin threads, then for each Cell of this launch and each optimizer of its
 case build the model from the reference initial state, wrap it through the adapter, train,
-and snapshot (rank 0 writes). Run as `python -m torch.distributed.run ... -m harness.run.worker PLAN`.
+and snapshot (one rank replays and writes each optimizer's run: [Note: Replays after the cell]). Run as `python -m torch.distributed.run ... -m harness.run.worker PLAN`.
 
 The only configuration a rank reads is the launch plan file (the Cells); the environment
 variables it reads are torchrun's own (RANK, WORLD_SIZE, MASTER_*).
@@ -14,6 +14,7 @@ import sys
 import time
 from datetime import timedelta
 from dataclasses import dataclass, replace
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -212,8 +213,19 @@ def _make_optimizer(adapter: Adapter, wrapped: nn.Module, spec: OptimizerSpec, c
         raise RuntimeError(f"rank {ctx.rank}: impl={cell.impl} case={case.name}: {e}") from None
 
 
+# [Note: Replays after the cell]
+# The shadow (harness/judge/shadow.py) replays every rank's local forward/backward of a step, W
+# passes with split data. Run inline on rank 0 it held every other rank at the next collective:
+# 2.5 s of the standard matrix's wall time on this project's 2-core VM. So the ranks train every
+# optimizer of a cell first, keeping what a replay needs (each step's batch, and the parameters and
+# buffers before it); then the writer of each optimizer's snapshot, rank k mod W for the k-th
+# optimizer, replays that run and saves it, the writers at the same time. A replay has the inputs
+# and the operations it had inline, so the snapshots are bitwise the same.
 def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], world: RankContext,
-             scratch_dir: Path, init_buffers: dict[str, torch.Tensor] | None = None) -> dict | None:
+             scratch_dir: Path, init_buffers: dict[str, torch.Tensor] | None = None,
+             writer: int = 0) -> Callable[[], dict] | None:
+    """Train one optimizer of the cell; on rank `writer`, a function that replays the run with the
+    shadow and returns its snapshot ([Note: Replays after the cell]); None on the other ranks."""
     case = get_case(cell.case)
     features = case.features
     adapter: Adapter = dist_faults.planted(resolve_impl(cell.impl), cell.faults)  # collective faults, if any
@@ -230,8 +242,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     wrapped: nn.Module = _build_wrapped(case, adapter, ctx, init_state, init_buffers, wrap_paths)
     optim = _make_optimizer(adapter, wrapped, spec, case, ctx, cell, set(names))
     scheduler = spec.build_scheduler(optim)
-    is_writer = world.rank == 0
-    shadow = Shadow(case, spec, init_state, ctx.device, init_buffers=init_buffers) if is_writer else None
+    is_writer = world.rank == writer
     reshard_steps = features.checkpoint_reshard_at if adapter.reshards_checkpoints else ()
 
     layouts = adapter.layouts(wrapped)  # after make_optimizer: an engine may shard only then
@@ -260,11 +271,10 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         digests = replicas["digests"] + [digest(buffers[n]) for n in buffer_names] + pending_digests
         pending_digests = []
         record = {}
-        if shadow is not None:
+        if is_writer:  # what the snapshot holds, and the shadow's inputs
             record = {"grads": grads, "params": params, "buffers": buffers, "replica_names": replicas["names"],
-                      "shadow": shadow.step(params_before, batch, cell.data_mode, ctx.world_size,
-                                            buffers_before=buffers_before),
-                      "layouts": adapter.layouts(wrapped)}
+                      "layouts": adapter.layouts(wrapped), "batch": batch, "params_before": params_before,
+                      "buffers_before": buffers_before}
         pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests), len(replicas["names"]),
                         record))
         params_before, buffers_before = params, buffers
@@ -275,11 +285,11 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                 if taken == 1:
                     init_buffer_digests = ev.digests[:, num_replicas + len(buffer_names):]
                 if record:
-                    steps.append(StepRecord(
+                    steps.append((record, StepRecord(
                         taken, ev.losses, record["grads"], record["params"], Buffers(record["buffers"], buffer_digests),
-                        record["shadow"], ev.shards, ev.shard_grads, ev.padding_intervals,
+                        {}, ev.shards, ev.shard_grads, ev.padding_intervals,
                         {"names": record["replica_names"], "digests": ev.digests[:, :num_replicas]},
-                        record["layouts"]))
+                        record["layouts"])))
             pending = []
         if step in reshard_steps:
             shard_size = max(1, ctx.world_size // 2 ** (reshard_steps.index(step) + 1))
@@ -292,11 +302,20 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                                      scratch_dir / f"{cell.cell_id}.{spec.kind}")
     if not is_writer:
         return None
-    perturbed = ([perturbed_run(case, spec, init_state, cell.steps, seed, ctx.device, init_buffers)
-                  for seed in range(1, NUM_PERTURBED_RUNS + 1)] if cell.is_reference else None)
-    return Snapshot(cell.to_json(), spec.kind, ctx.world_size, layouts,
-                    {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
-                    init_params, Buffers(init_bufs, init_buffer_digests), steps, perturbed).to_dict()
+
+    def replay() -> dict:
+        shadow = Shadow(case, spec, init_state, ctx.device, init_buffers=init_buffers)
+        records = []
+        for record, rec in steps:  # in step order: the shadow's optimizer state carries over
+            records.append(replace(rec, shadow=shadow.step(record["params_before"], record["batch"], cell.data_mode,
+                                                           ctx.world_size, buffers_before=record["buffers_before"])))
+        perturbed = ([perturbed_run(case, spec, init_state, cell.steps, seed, ctx.device, init_buffers)
+                      for seed in range(1, NUM_PERTURBED_RUNS + 1)] if cell.is_reference else None)
+        return Snapshot(cell.to_json(), spec.kind, ctx.world_size, layouts,
+                        {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
+                        init_params, Buffers(init_bufs, init_buffer_digests), records, perturbed).to_dict()
+
+    return replay
 
 
 def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], num_steps: int,
@@ -382,13 +401,18 @@ def main(argv: list[str]) -> int:
         case = get_case(cell.case)
         init_state, init_buffers = load_init(init_dir / f"{case.name}.pt", run_id)
         start = time.perf_counter()
-        for spec in case.optimizers:
+        replays = []
+        for k, spec in enumerate(case.optimizers):
             if not resolve_impl(cell.impl).needs_process_group and ctx.rank != 0:
                 continue  # a single-process cell (the reference) runs on rank 0 alone
-            snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers)
-            if snapshot is not None:
-                snapshot["run_id"] = run_id
-                save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
+            writer = k % ctx.world_size if resolve_impl(cell.impl).needs_process_group else 0
+            replay = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers, writer)
+            if replay is not None:
+                replays.append((spec, replay))
+        for spec, replay in replays:  # [Note: Replays after the cell]
+            snapshot = replay()
+            snapshot["run_id"] = run_id
+            save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
         dist.barrier()  # every rank finished this cell: a failure later in the launch is not its
         if ctx.rank == 0:  # wall_s: the cell's time in the ranks, its JUnit test case's time
             write_atomic_text(complete_path(snapshot_dir, cell.cell_id),
