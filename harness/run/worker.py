@@ -1,6 +1,6 @@
 """Inside every rank: pin threads, then for each Cell of this launch and each optimizer of its
 case build the model from the reference initial state, wrap it through the adapter, train,
-and snapshot (one rank replays and writes each optimizer's run: [Note: Replays after the cell]). Run as `python -m torch.distributed.run ... -m harness.run.worker PLAN`.
+and snapshot (rank 0 writes). Run as `python -m torch.distributed.run ... -m harness.run.worker PLAN`.
 
 The only configuration a rank reads is the launch plan file (the Cells); the environment
 variables it reads are torchrun's own (RANK, WORLD_SIZE, MASTER_*).
@@ -8,13 +8,13 @@ variables it reads are torchrun's own (RANK, WORLD_SIZE, MASTER_*).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 from datetime import timedelta
 from dataclasses import dataclass, replace
-from typing import Callable
 from pathlib import Path
 
 import torch
@@ -213,19 +213,8 @@ def _make_optimizer(adapter: Adapter, wrapped: nn.Module, spec: OptimizerSpec, c
         raise RuntimeError(f"rank {ctx.rank}: impl={cell.impl} case={case.name}: {e}") from None
 
 
-# [Note: Replays after the cell]
-# The shadow (harness/judge/shadow.py) replays every rank's local forward/backward of a step, W
-# passes with split data. Run inline on rank 0 it held every other rank at the next collective:
-# 2.5 s of the standard matrix's wall time on this project's 2-core VM. So the ranks train every
-# optimizer of a cell first, keeping what a replay needs (each step's batch, and the parameters and
-# buffers before it); then the writer of each optimizer's snapshot, rank k mod W for the k-th
-# optimizer, replays that run and saves it, the writers at the same time. A replay has the inputs
-# and the operations it had inline, so the snapshots are bitwise the same.
 def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], world: RankContext,
-             scratch_dir: Path, init_buffers: dict[str, torch.Tensor] | None = None,
-             writer: int = 0) -> Callable[[], dict] | None:
-    """Train one optimizer of the cell; on rank `writer`, a function that replays the run with the
-    shadow and returns its snapshot ([Note: Replays after the cell]); None on the other ranks."""
+             scratch_dir: Path, init_buffers: dict[str, torch.Tensor] | None = None) -> dict | None:
     case = get_case(cell.case)
     features = case.features
     adapter: Adapter = dist_faults.planted(resolve_impl(cell.impl), cell.faults)  # collective faults, if any
@@ -242,7 +231,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     wrapped: nn.Module = _build_wrapped(case, adapter, ctx, init_state, init_buffers, wrap_paths)
     optim = _make_optimizer(adapter, wrapped, spec, case, ctx, cell, set(names))
     scheduler = spec.build_scheduler(optim)
-    is_writer = world.rank == writer
+    is_writer = world.rank == 0
+    shadow = Shadow(case, spec, init_state, ctx.device, init_buffers=init_buffers) if is_writer else None
     reshard_steps = features.checkpoint_reshard_at if adapter.reshards_checkpoints else ()
 
     layouts = adapter.layouts(wrapped)  # after make_optimizer: an engine may shard only then
@@ -271,10 +261,11 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         digests = replicas["digests"] + [digest(buffers[n]) for n in buffer_names] + pending_digests
         pending_digests = []
         record = {}
-        if is_writer:  # what the snapshot holds, and the shadow's inputs
+        if shadow is not None:
             record = {"grads": grads, "params": params, "buffers": buffers, "replica_names": replicas["names"],
-                      "layouts": adapter.layouts(wrapped), "batch": batch, "params_before": params_before,
-                      "buffers_before": buffers_before}
+                      "shadow": shadow.step(params_before, batch, cell.data_mode, ctx.world_size,
+                                            buffers_before=buffers_before),
+                      "layouts": adapter.layouts(wrapped)}
         pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests), len(replicas["names"]),
                         record))
         params_before, buffers_before = params, buffers
@@ -285,11 +276,11 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                 if taken == 1:
                     init_buffer_digests = ev.digests[:, num_replicas + len(buffer_names):]
                 if record:
-                    steps.append((record, StepRecord(
+                    steps.append(StepRecord(
                         taken, ev.losses, record["grads"], record["params"], Buffers(record["buffers"], buffer_digests),
-                        {}, ev.shards, ev.shard_grads, ev.padding_intervals,
+                        record["shadow"], ev.shards, ev.shard_grads, ev.padding_intervals,
                         {"names": record["replica_names"], "digests": ev.digests[:, :num_replicas]},
-                        record["layouts"])))
+                        record["layouts"]))
             pending = []
         if step in reshard_steps:
             shard_size = max(1, ctx.world_size // 2 ** (reshard_steps.index(step) + 1))
@@ -302,20 +293,11 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                                      scratch_dir / f"{cell.cell_id}.{spec.kind}")
     if not is_writer:
         return None
-
-    def replay() -> dict:
-        shadow = Shadow(case, spec, init_state, ctx.device, init_buffers=init_buffers)
-        records = []
-        for record, rec in steps:  # in step order: the shadow's optimizer state carries over
-            records.append(replace(rec, shadow=shadow.step(record["params_before"], record["batch"], cell.data_mode,
-                                                           ctx.world_size, buffers_before=record["buffers_before"])))
-        perturbed = ([perturbed_run(case, spec, init_state, cell.steps, seed, ctx.device, init_buffers)
-                      for seed in range(1, NUM_PERTURBED_RUNS + 1)] if cell.is_reference else None)
-        return Snapshot(cell.to_json(), spec.kind, ctx.world_size, layouts,
-                        {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
-                        init_params, Buffers(init_bufs, init_buffer_digests), records, perturbed).to_dict()
-
-    return replay
+    perturbed = ([perturbed_run(case, spec, init_state, cell.steps, seed, ctx.device, init_buffers)
+                  for seed in range(1, NUM_PERTURBED_RUNS + 1)] if cell.is_reference else None)
+    return Snapshot(cell.to_json(), spec.kind, ctx.world_size, layouts,
+                    {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
+                    init_params, Buffers(init_bufs, init_buffer_digests), steps, perturbed).to_dict()
 
 
 def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], num_steps: int,
@@ -340,6 +322,30 @@ def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.T
 SEGMENT_WAIT = timedelta(hours=24)
 
 
+def _launch_store() -> dist.Store:
+    """A client of the launch's own store (torchrun's rendezvous store, on every node)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=SEGMENT_WAIT)
+
+
+@contextlib.contextmanager
+def _cell_record(store: dist.Store, index: int, ctx: RankContext):
+    """Around the record of cell `index`: entered once every rank of `ctx` has finished the cell,
+    yielding True on rank 0 (which writes the record), and left once the record is written.
+
+    Keys in the launch's store instead of two barriers: a gloo barrier costs an all-reduce, 16 ms
+    at W = 8 on 2 cores, a store request a fraction of one. A rank that dies instead ends the launch
+    (torchrun stops the others), as it would in a barrier."""
+    store.set(f"{index}/done/{ctx.rank}", "1")
+    if ctx.rank == 0:
+        store.wait([f"{index}/done/{r}" for r in range(ctx.world_size)], SEGMENT_WAIT)
+        yield True
+        store.set(f"{index}/recorded", "1")
+    else:
+        yield False
+        store.wait([f"{index}/recorded"], SEGMENT_WAIT)
+
+
 def _join_world(world: RankContext, world_size: int, segment: int, backend: str) -> RankContext | None:
     """[Note: One launch, every world size] This rank's context in a fresh default process group of
     the ranks below `world_size`, or None when this rank sits this world size out."""
@@ -350,9 +356,7 @@ def _join_world(world: RankContext, world_size: int, segment: int, backend: str)
     # What a launch of `world_size` ranks would have set (torchrun's variables, read by some engines).
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE"):
         os.environ[var] = str(world_size)
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=SEGMENT_WAIT)
-    store = dist.PrefixStore(f"harness/segment{segment}", base)
+    store = dist.PrefixStore(f"harness/segment{segment}", _launch_store())
     store.set(f"arrived/{world.rank}", "1")
     store.wait([f"arrived/{r}" for r in range(world_size)], SEGMENT_WAIT)
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=world.rank, world_size=world_size)
@@ -367,8 +371,7 @@ def _import_dynamo_in_turn(world: RankContext, sizes: list[int]) -> None:
     idle waiting on each other's collectives, instead of competing with rank 0's own import)."""
     first = next((w for w in sizes if w > world.rank), sizes[-1])  # the first world size this rank trains at
     before = max((w for w in sizes if w < first), default=0)
-    store = dist.PrefixStore("harness/dynamo", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                                             is_master=False, timeout=SEGMENT_WAIT))
+    store = dist.PrefixStore("harness/dynamo", _launch_store())
     if before:
         store.wait([f"imported/{r}" for r in range(before)], SEGMENT_WAIT)
     import torch._dynamo  # noqa: F401
@@ -389,6 +392,7 @@ def main(argv: list[str]) -> int:
                            f"end at this launch's {world.world_size} ranks")
     init_dir, snapshot_dir, run_id = Path(plan["init_dir"]), Path(plan["snapshot_dir"]), plan["run_id"]
     _import_dynamo_in_turn(world, sorted(set(sizes)) or [world.world_size])
+    cells_store = dist.PrefixStore("harness/cells", _launch_store())
     ctx: RankContext | None = world  # this rank in the current world size's group, None: sitting out
     current, segment = world.world_size, -1
     for i, cell in enumerate(cells):
@@ -401,24 +405,21 @@ def main(argv: list[str]) -> int:
         case = get_case(cell.case)
         init_state, init_buffers = load_init(init_dir / f"{case.name}.pt", run_id)
         start = time.perf_counter()
-        replays = []
-        for k, spec in enumerate(case.optimizers):
+        for spec in case.optimizers:
             if not resolve_impl(cell.impl).needs_process_group and ctx.rank != 0:
                 continue  # a single-process cell (the reference) runs on rank 0 alone
-            writer = k % ctx.world_size if resolve_impl(cell.impl).needs_process_group else 0
-            replay = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers, writer)
-            if replay is not None:
-                replays.append((spec, replay))
-        for spec, replay in replays:  # [Note: Replays after the cell]
-            snapshot = replay()
-            snapshot["run_id"] = run_id
-            save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
-        dist.barrier()  # every rank finished this cell: a failure later in the launch is not its
-        if ctx.rank == 0:  # wall_s: the cell's time in the ranks, its JUnit test case's time
-            write_atomic_text(complete_path(snapshot_dir, cell.cell_id),
-                              json.dumps({"run_id": run_id, "cell_id": cell.cell_id,
-                                          "wall_s": round(time.perf_counter() - start, 3)}) + "\n")
-        dist.barrier()  # no rank goes on (and may fail at exit) before the record exists
+            snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers)
+            if snapshot is not None:
+                snapshot["run_id"] = run_id
+                save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
+        # Every rank finished this cell (a failure later in the launch is not its); rank 0 writes its
+        # record (wall_s: the cell's time in the ranks, its JUnit test case's time), and no rank goes
+        # on (and may fail at exit) before the record exists.
+        with _cell_record(cells_store, i, ctx) as record_it:
+            if record_it:
+                write_atomic_text(complete_path(snapshot_dir, cell.cell_id),
+                                  json.dumps({"run_id": run_id, "cell_id": cell.cell_id,
+                                              "wall_s": round(time.perf_counter() - start, 3)}) + "\n")
         if ctx.rank == 0:
             print(f"[harness] W={ctx.world_size} cell {i + 1}/{len(cells)} {cell.cell_id} "
                   f"{time.perf_counter() - start:.2f}s", flush=True)
