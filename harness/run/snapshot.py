@@ -45,6 +45,7 @@ trajectory envelope.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -172,12 +173,9 @@ _TENSOR, _TUPLE, _ITEMS, _SIZE, _DTYPE = "__tensor__", "__tuple__", "__items__",
 _MARKERS = frozenset((_TENSOR, _TUPLE, _ITEMS, _SIZE, _DTYPE))
 
 
+@functools.cache
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-_DTYPE_NAMES = {d: _dtype_name(d) for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
-                                            torch.int32, torch.bool, torch.uint8)}
 
 
 def _skeleton(obj, pieces: dict[str, list[torch.Tensor]], offsets: dict[str, int]):
@@ -186,7 +184,7 @@ def _skeleton(obj, pieces: dict[str, list[torch.Tensor]], offsets: dict[str, int
         t = obj.detach() if obj.requires_grad else obj
         if t.device.type != "cpu":
             t = t.cpu()
-        name = _DTYPE_NAMES.get(t.dtype) or _dtype_name(t.dtype)
+        name = _dtype_name(t.dtype)
         at = offsets.get(name, 0)
         pieces.setdefault(name, []).append(t.reshape(-1))  # torch.cat copies: a view is enough here
         offsets[name] = at + t.numel()

@@ -55,19 +55,17 @@ class StepParts:
     """One step's evidence on this rank, copied when taken (an implementation's shards change in
     place under it), gathered with the other steps of its batch (`gather_evidence`)."""
 
-    loss: torch.Tensor  # (1,) float64
+    loss: torch.Tensor  # 0-d
     digests: list[int]
-    raws: tuple[RawShard, ...]  # float64 copies
-    dtypes: tuple[torch.dtype, ...]  # the loss's, then each raw shard's data and gradient dtypes
+    raws: tuple[RawShard, ...]
 
     @classmethod
     def take(cls, loss: torch.Tensor, raws: list[RawShard], digests: list[int]) -> StepParts:
-        def copy(t: torch.Tensor | None) -> torch.Tensor | None:  # fp32, bf16 and fp16 values are exact in fp64
-            return None if t is None else t.detach().reshape(-1).to(torch.float64, copy=True)
+        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().clone()
 
         return cls(copy(loss), list(digests),
-                   tuple(RawShard(raw.key, copy(raw.data), copy(raw.grad), tuple(raw.padding_intervals)) for raw in raws),
-                   (loss.dtype, *[t.dtype for raw in raws for t in (raw.data, raw.grad) if t is not None]))
+                   tuple(RawShard(raw.key, copy(raw.data), copy(raw.grad), tuple(raw.padding_intervals)) for raw in raws))
 
 
 @dataclass(frozen=True)
@@ -114,31 +112,29 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
         every_grad = agreed[:, at + num : at + 2 * num].amin(dim=0).bool().tolist()
         layout.append(list(zip(capacity, every_grad)))
         at += 2 * num
-    send = []
+    send = []  # fp32, bf16 and fp16 values are exact in fp64
     for p, shape in zip(parts, layout):
-        send += [p.loss, torch.tensor(p.digests, dtype=torch.float64, device=device)]
+        send += [p.loss.double().reshape(1), torch.tensor(p.digests, dtype=torch.float64, device=device)]
         for raw, (cap, has_grad) in zip(p.raws, shape):
             intervals = list(raw.padding_intervals) + [(0, 0)] * (cap - len(raw.padding_intervals))
-            send += [raw.data, torch.tensor(intervals, dtype=torch.float64, device=device).reshape(-1)]
+            send += [raw.data.double().reshape(-1), torch.tensor(intervals, dtype=torch.float64, device=device).reshape(-1)]
             if has_grad:
-                send.append(raw.grad)
+                send.append(raw.grad.double().reshape(-1))
     rows = _all_gather_rows(torch.cat(send), ctx).cpu()  # (W, n)
     out, at = [], 0
     for p, shape in zip(parts, layout):
-        dtypes = iter(p.dtypes)
-        losses = rows[:, at].to(next(dtypes))
+        losses = rows[:, at].to(p.loss.dtype)
         digests = rows[:, at + 1 : at + 1 + len(p.digests)].long()
         at += 1 + len(p.digests)
         shards, shard_grads, padding_intervals = {}, {}, {}
         for raw, (cap, has_grad) in zip(p.raws, shape):
             n = raw.data.numel()
-            shards[raw.key] = rows[:, at : at + n].to(next(dtypes))
+            shards[raw.key] = rows[:, at : at + n].to(raw.data.dtype)
             per_rank = rows[:, at + n : at + n + 2 * cap].long().view(ctx.world_size, cap, 2).tolist()
             padding_intervals[raw.key] = [[[a, b] for a, b in ivs if b > a] for ivs in per_rank]
             at += n + 2 * cap
-            grad_dtype = next(dtypes) if raw.grad is not None else None
             if has_grad:
-                shard_grads[raw.key] = rows[:, at : at + n].to(grad_dtype)
+                shard_grads[raw.key] = rows[:, at : at + n].to(raw.grad.dtype)
                 at += n
         out.append(StepEvidence(losses, digests, shards, shard_grads, padding_intervals))
     if at != rows.shape[1]:
