@@ -76,3 +76,37 @@ def test_a_partial_bench_names_its_parts_in_the_command_it_prints():
     text = render_markdown(result)
     assert "`python -m harness bench --only throughput`" in text and "load average 1.5" in text
     assert "Step time" not in text and "| batched: one torchrun for every world size |" in text
+
+
+def test_the_bench_reads_the_fuzzers_cpu_line_and_bounds_the_rates_by_it():
+    """The line the fuzzer prints is the one the bench parses (a drifted format would leave the
+    bound out silently), and the bounds are cores / CPU: the matrix's CPU over the cores against its
+    wall time and the floor, examples/s at most cores / CPU per example."""
+    from harness.bench.main import FUZZ_CPU, render_markdown
+    from harness.fuzz.main import FuzzStats, cpu_line
+
+    stats = FuzzStats(num_examples=40, cpu_s=1.2, ranks_cpu_s=8.4)  # 30 + 210 ms per example
+    line = cpu_line(stats, 4, 2)
+    match = FUZZ_CPU.search("[fuzz] per example: ...\n" + line + "\n")
+    assert match is not None, line
+    assert [float(g) for g in match.groups()] == [240.0, 30.0, 210.0]
+    assert line.endswith("on 2 cores at most 8.3 examples/s")
+
+    throughput = {"bare_launch_floor_s": 30.0, "batched_s": 45.0, "per_cell_s": 270.0, "batched_ratio_vs_floor": 1.5,
+                  "per_cell_ratio_vs_batched": 6.0, "matrix": "m", "cores": 2, "floor_cpu_s": 40.0,
+                  "batched_cpu_s": 84.0, "per_cell_cpu_s": 500.0, "fuzz_world_size": 4, "fuzz_examples": 40,
+                  "fuzz_s": 7.0, "fuzz_examples_per_s": 5.7, "fuzz_start_up_s": 7.0, "fuzz_example_ms": 175.0,
+                  "fuzz_ranks_ms": 150.0, "all_gather_ms": 3.3, "reduce_scatter_ms": 5.9, "fuzz_cpu_ms": 240.0,
+                  "fuzz_parent_cpu_ms": 30.0, "fuzz_ranks_cpu_ms": 210.0}
+    text = render_markdown({"environment": {"cpu_count": 2, "machine": "x86_64", "torch": "2.13.0", "backend": "gloo",
+                                            "threads_per_rank": 1, "smoke": False, "parts": ["throughput"],
+                                            "load_average_at_start": 1.0},
+                            "speed": [], "memory": [], "medium": [], "throughput": throughput})
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in text.splitlines() if line.startswith("| ")}
+    assert rows["matrix: m"] == ["wall s", "x floor", "CPU s"]
+    assert rows["batched: one torchrun for every world size"] == ["45.0", "1.50", "84.0"]
+    assert rows["bare torchrun per world size (floor)"] == ["30.0", "1.00", "40.0"]
+    # 84 s of CPU on 2 cores: at least 42 s, 1.40x the 30 s floor; 45 s is 1.07x that bound
+    assert "less than 42.0 s, 1.40x the floor; its wall time is 1.07x that bound" in text
+    assert "no schedule runs more than 8.3 examples/s" in text

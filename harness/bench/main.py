@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -167,20 +168,35 @@ def memory_row(cfg: BenchConfig, work: Path, config: str, world_size: int, impls
     return row
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds of every child process this one has waited for (and of theirs: torchrun waits
+    for its ranks), user and system."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def harness_throughput(cfg: BenchConfig, work: Path) -> dict:
     """Wall time of the standard matrix, batched (one torchrun for every world size) and one torchrun
-    per cell, against the floor: one bare torchrun launch per world size."""
+    per cell, against the floor: one bare torchrun launch per world size; and the CPU time each
+    took, every process of it (the batched run's CPU over the cores is a wall time no schedule beats)."""
     world_sizes = (1, 2, 4, 8)
+    cpu = _children_cpu_s()
     floor = sum(torchrun(w, ["harness.bench.worker", "bare", "--out", str(work / f"bare{w}.json")],
                          cfg.threads, cfg.timeout_s, work / f"bare{w}") for w in world_sizes)
+    cpus = {"floor": _children_cpu_s() - cpu}
     walls = {}
     for label, extra in (("batched", []), ("per_cell", ["--launch-per-cell"])):
         cmd = [sys.executable, "-m", "harness", "run", "--cases", "mlp,transformer", "--impls", "ours,fsdp2",
                "--world-sizes", ",".join(map(str, world_sizes)), "--data", "identical,split",
                "--out", str(work / f"matrix_{label}"), "--quiet", *extra]
-        start = time.monotonic()
+        start, cpu = time.monotonic(), _children_cpu_s()
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=cfg.timeout_s * 4)
         walls[label] = time.monotonic() - start
+        cpus[label] = _children_cpu_s() - cpu
         if proc.returncode != 0:
             raise BenchError(f"harness run ({label}) exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     return {
@@ -191,6 +207,10 @@ def harness_throughput(cfg: BenchConfig, work: Path) -> dict:
         "per_cell_s": walls["per_cell"],
         "batched_ratio_vs_floor": walls["batched"] / floor,
         "per_cell_ratio_vs_batched": walls["per_cell"] / walls["batched"],
+        "cores": usable_cores(),
+        "floor_cpu_s": cpus["floor"],
+        "batched_cpu_s": cpus["batched"],
+        "per_cell_cpu_s": cpus["per_cell"],
     }
 
 
@@ -201,6 +221,7 @@ FUZZ_RATE = re.compile(r"^\[fuzz\] impl=ours W=(\d+) .*: (\d+) examples \(shrink
 
 
 FUZZ_PER_EXAMPLE = re.compile(r"^\[fuzz\] per example: ([0-9.]+) ms, of which ranks training ([0-9.]+) ms", re.MULTILINE)
+FUZZ_CPU = re.compile(r"^\[fuzz\] CPU per example: ([0-9.]+) ms \(([0-9.]+) ms here, ([0-9.]+) ms in the", re.MULTILINE)
 
 
 def fuzz_rate(cfg: BenchConfig, work: Path) -> dict:
@@ -216,6 +237,7 @@ def fuzz_rate(cfg: BenchConfig, work: Path) -> dict:
         raise BenchError(f"harness fuzz exited {proc.returncode} without its rate line:\n"
                          f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     per_example = FUZZ_PER_EXAMPLE.search(proc.stdout)
+    cpu = FUZZ_CPU.search(proc.stdout)
     torchrun(FUZZ_WORLD_SIZE, ["harness.bench.worker", "collectives", "--iters", "200",
                                "--out", str(work / "collectives.json")], cfg.threads, cfg.timeout_s, work / "collectives")
     ranks = json.loads((work / "collectives.json").read_text())["ranks"]
@@ -224,6 +246,9 @@ def fuzz_rate(cfg: BenchConfig, work: Path) -> dict:
             "fuzz_start_up_s": float(match.group(5)),
             "fuzz_example_ms": float(per_example.group(1)) if per_example else None,
             "fuzz_ranks_ms": float(per_example.group(2)) if per_example else None,
+            "fuzz_cpu_ms": float(cpu.group(1)) if cpu else None,
+            "fuzz_parent_cpu_ms": float(cpu.group(2)) if cpu else None,
+            "fuzz_ranks_cpu_ms": float(cpu.group(3)) if cpu else None,
             "all_gather_ms": 1e3 * max(r["all_gather_s"] for r in ranks),
             "reduce_scatter_ms": 1e3 * max(r["reduce_scatter_s"] for r in ranks)}
 
@@ -364,12 +389,25 @@ def render_markdown(result: dict) -> str:
                   "and unmapped at free): what remains above the live-tensor peak is the non-tensor memory."]
     t = result.get("throughput")
     if t:
+        has_cpu = "batched_cpu_s" in t
+
+        def row(label: str, wall: float, cpu_key: str) -> list[str]:
+            cells = [label, f"{wall:.1f}", f"{wall / t['bare_launch_floor_s']:.2f}"]
+            return cells + ([f"{t[cpu_key]:.1f}"] if has_cpu else [])
+
         lines += ["", "## Harness throughput", "",
-                  tabulate([["bare torchrun per world size (floor)", f"{t['bare_launch_floor_s']:.1f}", "1.00"],
-                            ["batched: one torchrun for every world size", f"{t['batched_s']:.1f}", f"{t['batched_ratio_vs_floor']:.2f}"],
-                            ["one torchrun per cell", f"{t['per_cell_s']:.1f}", f"{t['per_cell_s'] / t['bare_launch_floor_s']:.2f}"]],
-                           headers=["matrix: " + t["matrix"], "wall s", "x floor"], tablefmt="github"),
+                  tabulate([row("bare torchrun per world size (floor)", t["bare_launch_floor_s"], "floor_cpu_s"),
+                            row("batched: one torchrun for every world size", t["batched_s"], "batched_cpu_s"),
+                            row("one torchrun per cell", t["per_cell_s"], "per_cell_cpu_s")],
+                           headers=["matrix: " + t["matrix"], "wall s", "x floor"] + (["CPU s"] if has_cpu else []),
+                           tablefmt="github", disable_numparse=True),  # as formatted: 43.0, not 43
                   "", f"One launch per cell is {t['per_cell_ratio_vs_batched']:.2f}x the batched wall time."]
+        if has_cpu:
+            best = t["batched_cpu_s"] / t["cores"]
+            lines += ["", f"CPU s: every process of the command (the harness, torchrun, the ranks), user and system. "
+                      f"The batched run needs {t['batched_cpu_s']:.1f} s of CPU: on {t['cores']} cores no schedule "
+                      f"finishes it in less than {best:.1f} s, {best / t['bare_launch_floor_s']:.2f}x the floor; its "
+                      f"wall time is {t['batched_s'] / best:.2f}x that bound."]
         if "fuzz_examples_per_s" in t:
             lines += ["", f"Fuzz (`python -m harness fuzz --world-size {t['fuzz_world_size']}`, same run): "
                       f"{t['fuzz_examples_per_s']:.1f} examples/s ({t['fuzz_examples']} examples in {t['fuzz_s']:.1f} s, "
@@ -383,6 +421,12 @@ def render_markdown(result: dict) -> str:
                           f"training is the time of about "
                           f"{t['fuzz_ranks_ms'] / (2 * t['all_gather_ms'] + t['reduce_scatter_ms']) * 3:.0f} "
                           f"such collectives."]
+            if t.get("fuzz_cpu_ms"):
+                lines += ["", f"CPU per example {t['fuzz_cpu_ms']:.0f} ms: {t['fuzz_ranks_cpu_ms']:.0f} ms in the "
+                          f"{t['fuzz_world_size']} ranks (all their threads, gloo's included), "
+                          f"{t['fuzz_parent_cpu_ms']:.0f} ms in the fuzzer (drawing, the reference, the checks). "
+                          f"On {t['cores']} cores no schedule runs more than "
+                          f"{t['cores'] * 1e3 / t['fuzz_cpu_ms']:.1f} examples/s of these."]
     return "\n".join(lines) + "\n"
 
 

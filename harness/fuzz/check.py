@@ -33,6 +33,7 @@ class ExampleResult(Judgement):
     faults: tuple[str, ...]
     refused: str | None = None  # the implementation refused the model with a clear ValueError at wrap
     rank_s: float = 0.0  # the slowest rank's time on the example (training and snapshots)
+    ranks_cpu_s: float = 0.0  # the CPU time of every rank on the example, summed (all their threads)
     aligned_numels: dict[str, int] = field(default_factory=dict)  # flat key -> numel the sharding divides
 
     @property
@@ -198,6 +199,7 @@ def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = (), i
     missing = sorted(set(reference.sizes) - set(names))
     out = ExampleResult(spec, faults, violations=result.violations, margins=result.margins, checks=result.checks,
                         rank_s=max(float(r.get("rank_s", 0.0)) for r in replies),
+                        ranks_cpu_s=sum(float(r.get("rank_cpu_s", 0.0)) for r in replies),
                         aligned_numels={lay["flat_key"]: lay["aligned_numel"] for lay in snap["layouts"].values()})
     if missing:  # a parameter the shards never mention is evidence lost, not a pass
         out.error = f"parameters missing from every rank's shards: {missing}"

@@ -10,6 +10,7 @@ numel lands below W, at W*k - 1, W*k, W*k + 1 or on a prime.
 from __future__ import annotations
 
 import functools
+import os
 import shlex
 import time
 import uuid
@@ -131,19 +132,32 @@ class FuzzStats:
     num_examples: int = 0
     example_s: float = 0.0
     rank_s: float = 0.0  # of example_s, the time the ranks spent training
+    cpu_s: float = 0.0  # CPU time of this process on the examples (drawing, the reference, the checks)
+    ranks_cpu_s: float = 0.0  # CPU time of the ranks on the examples, summed over ranks
     honest_margins: dict[str, float] = field(default_factory=dict)  # check -> max over passing examples
     failures: list[ExampleResult] = field(default_factory=list)
     refusals: dict[str, int] = field(default_factory=dict)  # the implementation's refusal -> models drawn
 
-    def record(self, result: ExampleResult, seconds: float) -> None:
+    def record(self, result: ExampleResult, seconds: float, cpu_s: float = 0.0) -> None:
         self.num_examples += 1
         self.example_s += seconds
         self.rank_s += result.rank_s
+        self.cpu_s += cpu_s
+        self.ranks_cpu_s += result.ranks_cpu_s
         if result.ok:
             for check, value in result.margins.items():
                 self.honest_margins[check] = max(self.honest_margins.get(check, 0.0), value)
         else:
             self.failures.append(result)
+
+
+def cpu_line(stats: FuzzStats, world_size: int, cores: int) -> str:
+    """CPU per example, here and in the ranks, and what it allows: no schedule on `cores` cores runs
+    more than cores / (CPU per example) examples per second."""
+    per = 1e3 / max(stats.num_examples, 1)
+    cpu_ms = (stats.cpu_s + stats.ranks_cpu_s) * per
+    return (f"[fuzz] CPU per example: {cpu_ms:.0f} ms ({stats.cpu_s * per:.0f} ms here, {stats.ranks_cpu_s * per:.0f} ms "
+            f"in the {world_size} ranks); on {cores} cores at most {cores * 1e3 / max(cpu_ms, 1e-9):.1f} examples/s")
 
 
 class _Falsified(AssertionError):
@@ -196,12 +210,12 @@ def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: 
               phases=(Phase.generate, Phase.shrink))
     @given(specs_for(world_size, impl))
     def prop(spec: ModelSpec) -> None:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result = run_example(pool, spec, faults, impl)
         if result.refused is not None:  # a model this implementation refuses clearly: not an example
             stats.refusals[result.refused.splitlines()[0]] = stats.refusals.get(result.refused.splitlines()[0], 0) + 1
             reject()
-        stats.record(result, time.perf_counter() - start)
+        stats.record(result, time.perf_counter() - start, time.process_time() - start_cpu)
         if on_example is not None:
             on_example(stats, result)
         if not result.ok:
@@ -309,6 +323,7 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
         per = 1e3 / stats.num_examples
         print(f"[fuzz] per example: {stats.example_s * per:.0f} ms, of which ranks training {stats.rank_s * per:.0f} ms "
               f"(collectives included), the rest request/reply, the reference and the checks")
+        print(cpu_line(stats, world_size, len(os.sched_getaffinity(0))))
     for refusal, count in stats.refusals.items():
         print(f"[fuzz] {count} drawn model(s) refused at wrap, not counted: {refusal}")
     if stats.honest_margins:

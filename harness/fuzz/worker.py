@@ -129,11 +129,12 @@ def main(argv: list[str]) -> int:
             spec = ModelSpec.from_json(request["spec"])
             if spec.world_size != ctx.world_size:
                 raise ValueError(f"spec world_size={spec.world_size} but the pool has {ctx.world_size} ranks")
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             impl = request.get("impl", "ours")
             run = run_example if impl == "ours" else functools.partial(run_adapter_example, impl=impl)
             reply = run(spec, frozenset(request["faults"]), request["init"], ctx)
             reply["rank_s"] = time.perf_counter() - start
+            reply["rank_cpu_s"] = time.process_time() - start_cpu  # every thread of the rank: gloo's too
         except Exception:
             reply = {"error": f"rank {ctx.rank}: " + traceback.format_exc()}
         store.set(f"rep/{i}/{ctx.rank}", encode(reply))
