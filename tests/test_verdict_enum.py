@@ -24,7 +24,24 @@ def test_a_misspelt_verdict_is_refused_when_made_and_when_set():
     with pytest.raises(ValueError, match="'failed' is not a valid Verdict"):
         result.verdict = "failed"
     with pytest.raises(ValueError):
-        dataclasses.replace(result, verdict="ok")
+        dataclasses.replace(result, given="ok")
+
+
+def test_a_cell_result_is_never_better_than_its_evidence():
+    """Whatever verdict a cell was given, a violation of any optimizer makes it at least a fail and
+    an error (its own or an optimizer's) an error; a worse verdict given stands."""
+    violation = _violation(2.0)
+    assert CellResult(None, "pass", {"sgd": OptimizerResult("sgd", violations=[violation])}).verdict is Verdict.FAIL
+    assert CellResult(None, "pass", {"sgd": OptimizerResult("sgd", error="no shards")}).verdict is Verdict.ERROR
+    assert CellResult(None, "pass", error="launch W=2 exited 1").verdict is Verdict.ERROR
+    assert CellResult(None, "fail", {"sgd": OptimizerResult("sgd", violations=[violation])},
+                      error="rank 1 died").verdict is Verdict.ERROR
+    assert CellResult(None, "error", {"sgd": OptimizerResult("sgd", margins={"grad": 0.1})}).verdict is Verdict.ERROR
+    assert CellResult(None, "fail", {"sgd": OptimizerResult("sgd", margins={"grad": 0.1})}).verdict is Verdict.FAIL
+    passing = CellResult(None, "pass", {"sgd": OptimizerResult("sgd", margins={"grad": 0.1})})
+    assert passing.verdict is Verdict.PASS
+    passing.optimizers["adamw"] = OptimizerResult("adamw", violations=[violation])  # added after the verdict
+    assert passing.verdict is Verdict.FAIL
 
 
 def test_a_verdict_reads_and_writes_as_its_string():

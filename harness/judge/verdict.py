@@ -28,15 +28,29 @@ from harness.run.snapshot import load_init, load_snapshot, snapshot_path
 @dataclass
 class CellResult:
     """A cell's verdict and the Judgement of each of its optimizers' runs (harness/judge/result.py):
-    its violations, first divergence and margins are theirs together."""
+    its violations, first divergence and margins are theirs together.
+
+    `verdict` is never better than the evidence: the verdict the judge gave (`given`) or the one its
+    own error, its optimizers' errors and violations make, whichever is worse. A path that forgets
+    to turn a cell with a violation into a fail, or an error into an error, cannot report a pass."""
 
     cell: Cell
-    verdict: Verdict
+    given: Verdict
     optimizers: dict[str, OptimizerResult] = field(default_factory=dict)
     error: str | None = None
 
     def __setattr__(self, name, value) -> None:
-        super().__setattr__(name, Verdict(value) if name == "verdict" else value)
+        super().__setattr__(name, Verdict(value) if name == "given" else value)
+
+    @property
+    def verdict(self) -> Verdict:
+        found = (Verdict.ERROR if self.error is not None or any(r.error is not None for r in self.optimizers.values())
+                 else Verdict.FAIL if self.violations else Verdict.PASS)
+        return max(self.given, found, key=_SEVERITY.index)
+
+    @verdict.setter
+    def verdict(self, value: Verdict) -> None:
+        self.given = value
 
     @property
     def violations(self) -> list[Violation]:
@@ -57,6 +71,9 @@ class CellResult:
             for check, value in r.margins.items():
                 out[check] = nan_max(out.get(check, 0.0), value)
         return out
+
+
+_SEVERITY = (Verdict.PASS, Verdict.FAIL, Verdict.ERROR)
 
 
 @dataclass(frozen=True)
