@@ -50,6 +50,18 @@ class RaiseOnRank1(Ours):
         return super().wrap(model, wrap_paths, ctx)
 
 
+class RaiseAtWorldSize1(Ours):
+    """Raises while wrapping at W = 1 only: cells of one world size run side by side, so another
+    cell is running in other ranks when it does (tests/test_concurrent_cells.py)."""
+
+    name = "raise_at_w1"
+
+    def wrap(self, model, wrap_paths, ctx):
+        if ctx.world_size == 1:
+            raise RuntimeError("planted failure: raises while wrapping at W = 1")
+        return super().wrap(model, wrap_paths, ctx)
+
+
 class HangOnRank1(Ours):
     name = "hang_on_rank1"
 

@@ -67,6 +67,12 @@ def test_every_world_size_in_one_launch_is_bitwise_a_launch_of_its_own(tmp_path)
         assert len(list((tmp_path / name / "logs").iterdir())) == 1  # one torchrun
     files = _snapshot_files(tmp_path / "both")
     assert len(files) == 2 * 5  # 4 cells and the reference, sgd and adamw
+    # W = 1 ran in two teams (two ranks, two cores: harness/run/plan.py max_teams), so cells ran in
+    # launch rank 1 as their rank 0, and are compared below like every other.
+    ran_in = {p.parent.name: json.loads(p.read_text())["launch_ranks"] for p in (tmp_path / "both").glob("snapshots/*/started.json")}
+    assert sorted(ran_in) == sorted({rel.parent.name for rel in files}), ran_in
+    teams = {(0,), (1,)} if len(os.sched_getaffinity(0)) >= 2 else {(0,)}
+    assert {tuple(r) for c, r in ran_in.items() if ".w2." not in c} == teams, ran_in
     own = {rel: tmp_path / ("w1" if ".w1." in str(rel) else "w2") / rel for rel in files}
     assert sorted(set(_snapshot_files(tmp_path / "w1")) | set(_snapshot_files(tmp_path / "w2"))) == files
     for rel in files:

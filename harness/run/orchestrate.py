@@ -3,11 +3,14 @@
 [Note: One launch, every world size]
 Start-up (torchrun, python and torch imports in every rank, the first optimizer's lazy imports)
 is paid once per run: one torchrun of max(W) ranks runs the cells of every world size in
-ascending order, the cells of world size W in ranks 0..W-1 in a default process group of their
-own (harness/run/worker.py `_join_world`), while the ranks above W wait for a larger world size.
-Each world size's process group is a fresh W-rank world, as in a launch of W ranks, so
-adapters that build meshes over the world need nothing else; tests/test_harness_runs.py checks
-that every cell's evidence is bitwise that of a launch of its own (--launch-per-cell).
+ascending order. The cells of world size W run side by side in teams of W ranks (team t: launch
+ranks t*W .. t*W + W - 1; as many teams as the launch's ranks hold, on CPUs at most as many as
+the cores keep busy, harness/run/plan.py `max_teams`), each team in a default process group of
+its own (harness/run/worker.py `_join_world`) taking the next unclaimed cell until none is left;
+the ranks in no team wait for a larger world size, and every rank arrives before the next world
+size starts. Each team's process group is a fresh W-rank world, as in a launch of W ranks, so
+adapters that build meshes over the world need nothing else; tests/test_one_launch.py checks
+that every cell's evidence, whichever team ran it, is bitwise that of a launch of its own.
 --timeout applies to each world size: counted from the launch's start for the first, from the
 completion of the previous world size's last cell for the others. Once every cell of a launch is
 complete its ranks have EXIT_GRACE_S (or --timeout, if shorter) to exit: a rank that hangs at exit
@@ -15,13 +18,16 @@ complete its ranks have EXIT_GRACE_S (or --timeout, if shorter) to exit: a rank 
 process-wide state across process groups (`Adapter.process_per_world`: DeepSpeed caches groups and
 counts module ids per process) gets a launch per world size after the shared one.
 
-Every launch outcome counts. A cell is complete when every rank of its world size got past the
-barrier after it (rank 0 then writes its completion record, stamped with the run id). When a
-launch fails (a rank exits non-zero or is killed, or the launch times out):
-- the first incomplete cell is the one it was running: it becomes an `error` with the ranks'
-  tracebacks or stacks; the cells after it are launched again without it (after a timeout,
-  only those of larger world sizes: a hang is not retried, so each world size ends within
-  --timeout);
+Every launch outcome counts. A cell's rank 0 writes its started record (the launch ranks that run
+it) before it starts; a cell is complete when every rank of its team got past the fence after it
+(rank 0 then writes its completion record, stamped with the run id). When a launch fails (a rank
+exits non-zero or is killed, or the launch times out):
+- the failure is charged to the cell that was running in the ranks that failed (the rank torchrun
+  names first; the first cell running when none matches; the first incomplete cell when none had
+  started): it becomes an `error` with the ranks' tracebacks or stacks; the other incomplete cells
+  are launched again without it. After a timeout every cell that was running is charged (the
+  stacks show which hung), and only cells of larger world sizes run again: a hang is not retried,
+  so each world size ends within --timeout;
 - when every cell was complete, the failure came after the last cell (raising in
   destroy_process_group, hanging or exiting non-zero at interpreter exit): every cell of that
   launch becomes an `error`, snapshots or not. Evidence from a launch that did not end cleanly
@@ -42,7 +48,7 @@ from cases.catalog import get_case
 from harness.run.launch import EXIT_GRACE_S, launch
 from harness.run.outcome import LaunchResult, RunOutcome
 from harness.run.plan import Cell, RunPlan
-from harness.run.snapshot import complete_path, save_state
+from harness.run.snapshot import complete_path, save_state, started_path
 
 
 def write_init_states(plan: RunPlan) -> None:
@@ -62,6 +68,41 @@ def _completion_record(plan: RunPlan, cell: Cell) -> dict | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and record.get("run_id") == plan.run_id else None
+
+
+def launch_ranks(plan: RunPlan, cell: Cell) -> list[int] | None:
+    """The launch ranks running (or that ran) `cell` in this run's latest launch of it, from its
+    started record; None when it has not started."""
+    try:
+        record = json.loads(started_path(plan.snapshot_dir, cell.cell_id).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("run_id") != plan.run_id:
+        return None
+    ranks = record.get("launch_ranks")
+    return [int(r) for r in ranks] if isinstance(ranks, list) else None
+
+
+def _charged(plan: RunPlan, result: LaunchResult, unfinished: list[Cell]) -> list[Cell]:
+    """The cells a failed launch is charged to (the module docstring): the cells it was running
+    when it timed out; else the one whose ranks include the rank torchrun names as the first
+    failure; else the first one running; else the first one it had not finished."""
+    running = [c for c in unfinished if launch_ranks(plan, c) is not None]
+    if not running:
+        return unfinished[:1]
+    if result.timed_out:
+        return running
+    first = result.first_failed_rank()
+    return [c for c in running if first in launch_ranks(plan, c)][:1] or running[:1]
+
+
+def _ran_in(plan: RunPlan, cell: Cell) -> str:
+    """A line for the error of a cell that ran in other launch ranks than 0..W-1."""
+    ranks = launch_ranks(plan, cell) or []
+    if not ranks or ranks[0] == 0:
+        return ""
+    return (f"this cell ran in launch ranks {ranks[0]}-{ranks[-1]} as its ranks 0-{len(ranks) - 1} (the logs below "
+            f"are named by launch rank)\n")
 
 
 def cell_done(plan: RunPlan, cell: Cell) -> bool:
@@ -211,6 +252,8 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
                      else f"w{'_'.join(map(str, sizes))}-{attempt}")
             clock = _WorldSizeClock(plan, pending)
             poll = _poller(clock, progress, on_cell_complete) if progress or on_cell_complete else None
+            for cell in pending:  # a started record of an earlier launch is not this launch's
+                started_path(plan.snapshot_dir, cell.cell_id).unlink(missing_ok=True)
             result = launch(plan, sizes[-1], tuple(pending), label, on_poll=poll, overdue=clock.overdue)
             unfinished = [c for c in pending if not cell_done(plan, c)]
             if unfinished and len(sizes) > 1:  # name the world size the launch was running
@@ -221,9 +264,10 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
             for cell in pending:
                 if cell not in unfinished:
                     outcome.cell_wall_s[cell.cell_id] = cell_wall_s(plan, cell)
-            if unfinished and not result.ok:  # the first unfinished cell ran until the launch ended
+            charged = _charged(plan, result, unfinished) if unfinished and not result.ok else []
+            for cell in charged:  # it ran until the launch ended
                 finished_s = sum(outcome.cell_wall_s[c.cell_id] for c in pending if c not in unfinished)
-                outcome.cell_wall_s[unfinished[0].cell_id] = max(0.0, result.wall_s - finished_s)
+                outcome.cell_wall_s[cell.cell_id] = max(0.0, result.wall_s - finished_s)
             if result.ok:
                 for cell in unfinished:  # exited 0 without finishing it: a worker bug
                     outcome.errors[cell.cell_id] = f"launch W={sizes[-1]} exited 0 without completing this cell"
@@ -237,14 +281,16 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
                 for cell in pending:
                     outcome.errors[cell.cell_id] = text
                 break
-            culprit, pending = unfinished[0], unfinished[1:]
-            outcome.errors[culprit.cell_id] = result.failure_text()
+            for cell in charged:
+                outcome.errors[cell.cell_id] = _ran_in(plan, cell) + result.failure_text()
+            pending = [c for c in unfinished if c not in charged]  # the others run again
             if result.timed_out:
                 # A hang is not retried: each retry could cost another --timeout, and each world
                 # size must end within --timeout plus a few seconds. Larger world sizes still run.
-                hung = _runs_at(plan, culprit)
+                hung = _runs_at(plan, charged[0])
+                running = ", ".join(c.cell_id for c in charged)
                 for cell in [c for c in pending if _runs_at(plan, c) == hung]:
-                    outcome.errors[cell.cell_id] = f"not run: launch W={hung} timed out while running {culprit.cell_id}"
+                    outcome.errors[cell.cell_id] = f"not run: launch W={hung} timed out while running {running}"
                 pending = [c for c in pending if _runs_at(plan, c) != hung]
             attempt += 1
     if progress is not None:

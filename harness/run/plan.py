@@ -328,6 +328,17 @@ def _skip_reason(case, adapter) -> str | None:
     return device_available(case.features) or adapter.unsupported(case.features)
 
 
+def max_teams(plan: RunPlan) -> int:
+    """How many cells of one world size a launch runs side by side, each in its own ranks
+    ([Note: One launch, every world size], harness/run/orchestrate.py): on GPUs as many as the
+    launch's devices hold (every rank has its own); on CPUs as many as the cores keep busy at
+    plan.threads each (more would only share the same cores, and hold as many models in memory)."""
+    if plan.device != "cpu":
+        return 1 << 30
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // plan.threads)
+
+
 def write_launch_plan(path: Path, plan: RunPlan, world_size: int, cells: tuple[Cell, ...]) -> None:
     """The file a launch's ranks read: only what they need, as JSON (never pickled)."""
     payload = {
@@ -339,6 +350,7 @@ def write_launch_plan(path: Path, plan: RunPlan, world_size: int, cells: tuple[C
         "init_dir": str(plan.init_dir.resolve()),
         "snapshot_dir": str(plan.snapshot_dir.resolve()),
         "cells": [c.to_json() for c in cells],
+        "max_teams": max_teams(plan),
     }
     path.write_text(json.dumps(payload, indent=1))
 

@@ -133,6 +133,13 @@ def snapshot_path(snapshot_dir: Path, cell_id: str, optimizer: str) -> Path:
     return Path(snapshot_dir) / cell_id / f"{optimizer}.pt"
 
 
+def started_path(snapshot_dir: Path, cell_id: str) -> Path:
+    """Written by the cell's rank 0 before the cell starts: the launch ranks that run it (cells of
+    one world size run side by side in disjoint ranks; harness/run/orchestrate.py names the cell a
+    failing rank was running from it)."""
+    return Path(snapshot_dir) / cell_id / "started.json"
+
+
 def complete_path(snapshot_dir: Path, cell_id: str) -> Path:
     """Written by rank 0 once every rank has finished the cell (harness/run/orchestrate.py reads it)."""
     return Path(snapshot_dir) / cell_id / "complete.json"

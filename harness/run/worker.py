@@ -9,6 +9,7 @@ variables it reads are torchrun's own (RANK, WORLD_SIZE, MASTER_*).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -32,7 +33,7 @@ from harness.run.plan import Cell
 from harness.run.rank import pick_evidence, rank_epilogue, rank_prologue, replica_digests, train_step
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
 from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, load_init,
-                                  save_snapshot, snapshot_path, write_atomic_text)
+                                  save_snapshot, snapshot_path, started_path, write_atomic_text)
 from harness.judge.tolerance import NUM_PERTURBED_RUNS
 
 
@@ -342,30 +343,61 @@ def _cell_record(store: dist.Store, index: int, ctx: RankContext):
         store.wait([f"{index}/recorded"], SEGMENT_WAIT)
 
 
-def _join_world(world: RankContext, world_size: int, segment: int, backend: str) -> RankContext | None:
-    """[Note: One launch, every world size] This rank's context in a fresh default process group of
-    the ranks below `world_size`, or None when this rank sits this world size out."""
+def num_teams(launch_world_size: int, world_size: int, max_teams: int) -> int:
+    """Teams of `world_size` ranks that run cells side by side: team t is launch ranks
+    t*world_size .. (t+1)*world_size - 1; the ranks above the last team sit the world size out."""
+    return max(1, min(launch_world_size // world_size, max_teams))
+
+
+def _join_world(world: RankContext, world_size: int, segment: int, backend: str,
+                max_teams: int) -> tuple[RankContext | None, int]:
+    """[Note: One launch, every world size] (this rank's context in a fresh default process group
+    of its team, the team's index), or (None, -1) when this rank sits this world size out. Every
+    rank of the launch arrives first, so no rank still runs the previous world size's cells."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    if world.rank >= world_size:
-        return None
+    store = dist.PrefixStore(f"harness/segment{segment}", _launch_store())
+    store.set(f"arrived/{world.rank}", "1")
+    store.wait([f"arrived/{r}" for r in range(world.world_size)], SEGMENT_WAIT)
+    team = world.rank // world_size
+    if team >= num_teams(world.world_size, world_size, max_teams):
+        return None, -1
+    rank = world.rank - team * world_size
     # What a launch of `world_size` ranks would have set (torchrun's variables, read by some engines).
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE"):
         os.environ[var] = str(world_size)
-    store = dist.PrefixStore(f"harness/segment{segment}", _launch_store())
-    store.set(f"arrived/{world.rank}", "1")
-    store.wait([f"arrived/{r}" for r in range(world_size)], SEGMENT_WAIT)
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=world.rank, world_size=world_size)
-    return RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, world.device)
+    os.environ["RANK"] = str(rank)
+    # init_process_group wraps sys.excepthook to prefix tracebacks with the group's rank; the
+    # launch's own group already prefixes them with the launch rank, which the logs are named by.
+    hook = sys.excepthook
+    dist.init_process_group(backend, store=dist.PrefixStore(f"pg/team{team}", store), rank=rank, world_size=world_size)
+    sys.excepthook = hook
+    return RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, world.device), team
 
 
-def _import_dynamo_in_turn(world: RankContext, sizes: list[int]) -> None:
+def _claims(segment: int, team: int, ctx: RankContext, num_cells: int):
+    """The indices of the segment's cells this team runs, in the order it claims them: the team's
+    rank 0 takes the next unclaimed one from a counter in the launch's store (a team that finishes
+    early takes more) and tells its other ranks under a key of its own."""
+    store = dist.PrefixStore(f"harness/claims{segment}", _launch_store())
+    for j in itertools.count():
+        key = f"team{team}/{j}"
+        if ctx.rank == 0:
+            store.set(key, str(store.add("next", 1) - 1))
+        k = int(store.get(key))
+        if k >= num_cells:
+            return
+        yield k
+
+
+def _import_dynamo_in_turn(world: RankContext, sizes: list[int], max_teams: int) -> None:
     """The first optimizer of a process imports torch._dynamo (torch.optim's constructors are
     wrapped by torch._compile._disable_dynamo): seconds of CPU per rank. Done here, in turns: the
     ranks of the first world size at once; a rank that first trains at world size W once every
     rank of the world size before W has (it imports while those ranks train, which leaves CPU
     idle waiting on each other's collectives, instead of competing with rank 0's own import)."""
-    first = next((w for w in sizes if w > world.rank), sizes[-1])  # the first world size this rank trains at
+    # the first world size this rank trains at
+    first = next((w for w in sizes if w * num_teams(world.world_size, w, max_teams) > world.rank), sizes[-1])
     before = max((w for w in sizes if w < first), default=0)
     store = dist.PrefixStore("harness/dynamo", _launch_store())
     if before:
@@ -373,6 +405,38 @@ def _import_dynamo_in_turn(world: RankContext, sizes: list[int]) -> None:
     import torch._dynamo  # noqa: F401
 
     store.set(f"imported/{world.rank}", "1")
+
+
+def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: RankContext, cells_store: dist.Store,
+                 init_dir: Path, snapshot_dir: Path, run_id: str) -> None:
+    """Cell `i` of the launch in this rank's team: its started record, every optimizer's run and
+    snapshot, its completion record."""
+    if ctx.rank == 0:
+        first = world.rank
+        write_atomic_text(started_path(snapshot_dir, cell.cell_id),
+                          json.dumps({"run_id": run_id, "cell_id": cell.cell_id,
+                                      "launch_ranks": list(range(first, first + ctx.world_size))}) + "\n")
+    case = get_case(cell.case)
+    init_state, init_buffers = load_init(init_dir / f"{case.name}.pt", run_id)
+    start = time.perf_counter()
+    for spec in case.optimizers:
+        if not resolve_impl(cell.impl).needs_process_group and ctx.rank != 0:
+            continue  # a single-process cell (the reference) runs on its team's rank 0 alone
+        snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers)
+        if snapshot is not None:
+            snapshot["run_id"] = run_id
+            save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
+    # Every rank finished this cell (a failure later in the launch is not its); rank 0 writes its
+    # record (wall_s: the cell's time in the ranks, its JUnit test case's time), and no rank goes
+    # on (and may fail at exit) before the record exists.
+    with _cell_record(cells_store, i, ctx) as record_it:
+        if record_it:
+            write_atomic_text(complete_path(snapshot_dir, cell.cell_id),
+                              json.dumps({"run_id": run_id, "cell_id": cell.cell_id,
+                                          "wall_s": round(time.perf_counter() - start, 3)}) + "\n")
+    if ctx.rank == 0:
+        print(f"[harness] W={ctx.world_size} cell {i + 1}/{num_cells} {cell.cell_id} (launch ranks "
+              f"{world.rank}-{world.rank + ctx.world_size - 1}) {time.perf_counter() - start:.2f}s", flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -387,38 +451,25 @@ def main(argv: list[str]) -> int:
         raise RuntimeError(f"rank {world.rank}: the plan's cells run at world sizes {sizes}: they must ascend and "
                            f"end at this launch's {world.world_size} ranks")
     init_dir, snapshot_dir, run_id = Path(plan["init_dir"]), Path(plan["snapshot_dir"]), plan["run_id"]
-    _import_dynamo_in_turn(world, sorted(set(sizes)) or [world.world_size])
+    max_teams = int(plan.get("max_teams", 1))
+    _import_dynamo_in_turn(world, sorted(set(sizes)) or [world.world_size], max_teams)
     cells_store = dist.PrefixStore("harness/cells", _launch_store())
-    ctx: RankContext | None = world  # this rank in the current world size's group, None: sitting out
-    current, segment = world.world_size, -1
+    segments: list[tuple[int, list[tuple[int, Cell]]]] = []  # (world size, [(index in the plan, cell)])
     for i, cell in enumerate(cells):
         world_size = cell.world_size if not cell.is_reference else (sizes[0] if sizes else world.world_size)
-        if world_size != current:
-            current, segment = world_size, segment + 1
-            ctx = _join_world(world, world_size, segment, backend)
+        if not segments or segments[-1][0] != world_size:
+            segments.append((world_size, []))
+        segments[-1][1].append((i, cell))
+    for segment, (world_size, members) in enumerate(segments):
+        if world_size == world.world_size and segment == 0:
+            ctx, team = world, 0  # a launch of one world size: the launch's own group
+        else:
+            ctx, team = _join_world(world, world_size, segment, backend, max_teams)
         if ctx is None:
             continue  # this rank sits this world size out
-        case = get_case(cell.case)
-        init_state, init_buffers = load_init(init_dir / f"{case.name}.pt", run_id)
-        start = time.perf_counter()
-        for spec in case.optimizers:
-            if not resolve_impl(cell.impl).needs_process_group and ctx.rank != 0:
-                continue  # a single-process cell (the reference) runs on rank 0 alone
-            snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers)
-            if snapshot is not None:
-                snapshot["run_id"] = run_id
-                save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
-        # Every rank finished this cell (a failure later in the launch is not its); rank 0 writes its
-        # record (wall_s: the cell's time in the ranks, its JUnit test case's time), and no rank goes
-        # on (and may fail at exit) before the record exists.
-        with _cell_record(cells_store, i, ctx) as record_it:
-            if record_it:
-                write_atomic_text(complete_path(snapshot_dir, cell.cell_id),
-                                  json.dumps({"run_id": run_id, "cell_id": cell.cell_id,
-                                              "wall_s": round(time.perf_counter() - start, 3)}) + "\n")
-        if ctx.rank == 0:
-            print(f"[harness] W={ctx.world_size} cell {i + 1}/{len(cells)} {cell.cell_id} "
-                  f"{time.perf_counter() - start:.2f}s", flush=True)
+        for k in _claims(segment, team, ctx, len(members)):
+            i, cell = members[k]
+            _run_claimed(i, cell, len(cells), ctx, world, cells_store, init_dir, snapshot_dir, run_id)
     rank_epilogue()
     return 0
 
