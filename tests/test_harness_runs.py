@@ -84,9 +84,21 @@ def _matrix_ids(config) -> set[str]:
 def _assert_honest_matrix_cell(run: dict, cell: dict) -> None:
     assert cell["verdict"] == "pass", cell["first_divergence_text"] or cell["error"]
     _assert_judged(run, cell, get_case(cell["case"]).steps, padding=cell["impl"] == "ours")
-    margins = {f"{kind}.{check}": checks[check]["margin"] for kind, checks in cell["checks"].items()
-               for check in ("loss", "grad", "param", "trajectory")}
-    assert max(margins.values()) < 0.5, f"{cell['cell_id']}: honest margins {margins} not below half the tolerance"
+    terms = cell["world_size"] * get_case(cell["case"]).features.grad_accum
+    for kind, checks in cell["checks"].items():
+        for check in ("loss", "grad", "param", "trajectory"):
+            ceiling = honest_margin_ceiling(check, terms)
+            assert checks[check]["margin"] <= ceiling, \
+                f"{cell['cell_id']}: honest {kind}.{check} margin {checks[check]['margin']} above {ceiling}"
+
+
+def honest_margin_ceiling(check: str, terms: int) -> float:
+    """The most an honest run's margin reaches (docs/error_model.md, "How close an honest run
+    comes"): a reduction of K terms rounds K - 1 additions against the bound's K + 1 roundings, so
+    its gradient margin stays at or below (K - 1) / (K + 1) (1/3 at K = 2, 0.6 at K = 4); the
+    parameter allowance keeps its margin at or below 0.5 by construction; the loss and the
+    statistical trajectory check keep half their tolerance free at the matrix's few steps."""
+    return (terms - 1) / (terms + 1) if check == "grad" else 0.5
 
 
 @pytest.mark.slow
