@@ -285,6 +285,9 @@ def _add_search_verbs(verbs) -> None:
     fuzz.add_argument("--replay", default=None, help="run one spec (the JSON a failure prints) instead of fuzzing")
     fuzz.add_argument("--out", default="runs/fuzz", help="pool logs (default runs/fuzz)")
     fuzz.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
+    fuzz.add_argument("--pools", default="auto",
+                      help="pools of W ranks training examples side by side (default auto: one per --threads cores, "
+                           "up to 4, from 100 examples on; one below)")
     fuzz.add_argument("--example-timeout", type=float, default=60.0,
                       help="seconds per example before the pool is restarted (default 60)")
     fuzz.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted bugs: the fuzzer must fail
@@ -319,6 +322,15 @@ def _import_project(args) -> None:
         raise CannotTest(f"{type(e).__name__}: {e}") from None
 
 
+def _pools(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"--pools={text!r} must be 'auto' or a whole number >= 1") from None
+
+
 def cmd_fuzz_or_mutants(args) -> int:
     from harness.run.plan import parse_csv, parse_world_sizes
 
@@ -331,7 +343,7 @@ def cmd_fuzz_or_mutants(args) -> int:
             out_dir = _out_dir(args.out) if len(impls) == 1 else _out_dir(args.out) / re.sub(r"\W+", "_", impl)
             ok = fuzz_main(args.world_size, args.max_examples, args.seed,
                            parse_csv(args.faults, "faults") if args.faults else (), args.replay,
-                           out_dir, args.threads, args.example_timeout, impl=impl) and ok
+                           out_dir, args.threads, args.example_timeout, impl=impl, pools=_pools(args.pools)) and ok
     else:
         from harness.ci.mutants import main as mutants_main
 

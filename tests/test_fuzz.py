@@ -357,3 +357,53 @@ def test_the_fuzzer_draws_no_0d_parameter_for_an_implementation_that_refuses_the
     assert find(specs_for(2, "ours"), has_gain, settings=NO_SHRINK)
     with pytest.raises(hypothesis.errors.NoSuchExample):
         find(specs_for(2, "fsdp2"), has_gain, settings=NO_SHRINK)
+
+
+class SideBySidePool(InProcessPool):
+    """InProcessPool with the `size` of a pool group: the fuzzer keeps two examples in flight."""
+
+    size = 2
+
+
+def _sequential_order(world_size: int, max_examples: int, seed: int, pool=None) -> list[ModelSpec]:
+    """The examples hypothesis hands the property one at a time (the fuzzer before examples ran
+    side by side), each judged through `pool` when one is given (none: every example passes)."""
+    from hypothesis import seed as hypothesis_seed
+
+    from harness.fuzz.main import _fuzz_settings, specs_for
+
+    seen = []
+
+    @hypothesis_seed(seed)
+    @_fuzz_settings(max_examples, (Phase.generate, Phase.shrink))
+    @given(specs_for(world_size, "ours"))
+    def prop(spec):
+        seen.append(spec)
+        assert pool is None or run_example(pool, spec).ok
+
+    try:
+        prop()
+    except AssertionError:
+        pass
+    return seen
+
+
+def test_examples_judged_side_by_side_are_those_hypothesis_hands_over_in_its_order():
+    judged = []
+    stats = fuzz(SideBySidePool(), world_size=1, max_examples=12, seed=5,
+                 on_example=lambda _, result: judged.append(result.spec))
+    assert not stats.failures and stats.num_examples == 12
+    assert judged == _sequential_order(1, 12, 5)
+
+
+def test_a_failure_found_side_by_side_shrinks_to_the_model_one_at_a_time_finds():
+    one = fuzz(InProcessPool(corrupt=_drop_grad_of_odd_units), world_size=1, max_examples=30, seed=3)
+    two = fuzz(SideBySidePool(corrupt=_drop_grad_of_odd_units), world_size=1, max_examples=30, seed=3)
+    assert one.failures and two.failures
+    assert two.failures[-1].spec == one.failures[-1].spec
+    # Each example hypothesis hands over is counted once, as one at a time: the ones judged ahead
+    # are not counted again when hypothesis hands them back, the one in flight beside the failing
+    # one not at all.
+    expected = len(_sequential_order(1, 30, 3, InProcessPool(corrupt=_drop_grad_of_odd_units)))
+    assert one.num_examples == two.num_examples == expected
+    assert [r.spec for r in two.failures] == [r.spec for r in one.failures]

@@ -106,3 +106,59 @@ def test_a_rank_hanging_at_exit_is_named_with_its_stack_and_killed(tmp_path):
     assert "_hang_at_exit" in text, text[-3000:]  # the stack faulthandler dumped
     assert launch.poll() is not None
     pool.close()  # a second close is a no-op
+
+
+@pytest.mark.slow
+def test_pools_side_by_side_train_an_example_to_the_same_bits_and_a_failure_restarts_its_own_pool(tmp_path):
+    """Two pools of a group: the same example in each gives the same evidence bit for bit (so it
+    does not matter which pool judges it); a rank raising in one pool errors that example alone,
+    the other pool's example passes beside it, and the failed pool starts again for the next."""
+    from harness.fuzz.check import finish_example, start_example
+    from harness.fuzz.main import warm_up_spec
+    from harness.fuzz.pool import PoolConfig, PoolGroup
+    from harness.fuzz.spec import init_state
+    from harness.judge.layouts import same_bits
+
+    spec = warm_up_spec(2)
+    request = {"spec": spec.to_json(), "faults": [], "init": init_state(spec), "impl": "ours"}
+    with PoolGroup(PoolConfig(2, tmp_path / "logs", example_timeout_s=120.0), 2) as group:
+        tickets = [group.submit(request), group.submit(request)]
+        assert sorted(k for k, _ in tickets) == [0, 1]  # one in each pool
+        a, b = (group.collect(t) for t in tickets)
+        for rank in range(2):
+            for key in ("init", "loss", "grads", "data"):
+                flat_a, flat_b = torch_leaves(a[rank][key]), torch_leaves(b[rank][key])
+                assert len(flat_a) == len(flat_b) > 0
+                assert all(x.dtype == y.dtype and x.shape == y.shape and same_bits(x, y)
+                           for x, y in zip(flat_a, flat_b)), (rank, key)
+        raising = start_example(group, spec, (), f"{PLUGINS}:RaiseOnRank1")
+        honest = start_example(group, spec, (), "ours")
+        failed, passed = finish_example(raising), finish_example(honest)
+        assert failed.error is not None and "planted failure: rank 1 raises" in failed.error, failed.error
+        assert passed.ok, passed.summary()
+        starts = group.num_starts
+        again = [start_example(group, spec) for _ in range(2)]
+        assert all(finish_example(s).ok for s in again)
+        assert group.num_starts == starts + 1  # the failed pool alone started again
+
+
+def torch_leaves(value) -> list:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [x for k in sorted(value) for x in torch_leaves(value[k])]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in torch_leaves(v)]
+    return []
+
+
+@pytest.mark.slow
+def test_the_cli_runs_pools_side_by_side_and_says_so(tmp_path):
+    proc = _fuzz("--world-size", "2", "--max-examples", "6", "--pools", "2", "--seed", "2", out=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[fuzz] 2 pools of 2 ranks started" in proc.stdout, proc.stdout
+    assert "6 examples (shrinking included)" in proc.stdout and "2 pool(s) side by side" in proc.stdout
+    assert "PASS: 6 examples, none failing" in proc.stdout
+    assert (tmp_path / "logs" / "pool-0").is_dir() and (tmp_path / "logs" / "pool1-0").is_dir()

@@ -215,12 +215,14 @@ def harness_throughput(cfg: BenchConfig, work: Path) -> dict:
 
 
 FUZZ_WORLD_SIZE = 4
-FUZZ_EXAMPLES = 40
+FUZZ_EXAMPLES = 200  # enough for `--pools auto` to run pools side by side (harness/fuzz/main.py)
 FUZZ_RATE = re.compile(r"^\[fuzz\] impl=ours W=(\d+) .*: (\d+) examples \(shrinking included\) in ([0-9.]+)s = "
-                       r"([0-9.]+) examples/s; pool start-up ([0-9.]+)s", re.MULTILINE)
+                       r"([0-9.]+) examples/s; pool start-up ([0-9.]+)s.*, (\d+) pool\(s\) side by side$",
+                       re.MULTILINE)
 
 
-FUZZ_PER_EXAMPLE = re.compile(r"^\[fuzz\] per example: ([0-9.]+) ms, of which ranks training ([0-9.]+) ms", re.MULTILINE)
+FUZZ_PER_EXAMPLE = re.compile(r"^\[fuzz\] per example: ([0-9.]+) ms of the run's wall time; its ranks train it for "
+                              r"([0-9.]+) ms", re.MULTILINE)
 FUZZ_CPU = re.compile(r"^\[fuzz\] CPU per example: ([0-9.]+) ms \(([0-9.]+) ms here, ([0-9.]+) ms in the", re.MULTILINE)
 
 
@@ -243,7 +245,7 @@ def fuzz_rate(cfg: BenchConfig, work: Path) -> dict:
     ranks = json.loads((work / "collectives.json").read_text())["ranks"]
     return {"fuzz_world_size": int(match.group(1)), "fuzz_examples": int(match.group(2)),
             "fuzz_s": float(match.group(3)), "fuzz_examples_per_s": float(match.group(4)),
-            "fuzz_start_up_s": float(match.group(5)),
+            "fuzz_start_up_s": float(match.group(5)), "fuzz_pools": int(match.group(6)),
             "fuzz_example_ms": float(per_example.group(1)) if per_example else None,
             "fuzz_ranks_ms": float(per_example.group(2)) if per_example else None,
             "fuzz_cpu_ms": float(cpu.group(1)) if cpu else None,
@@ -409,12 +411,14 @@ def render_markdown(result: dict) -> str:
                       f"finishes it in less than {best:.1f} s, {best / t['bare_launch_floor_s']:.2f}x the floor; its "
                       f"wall time is {t['batched_s'] / best:.2f}x that bound."]
         if "fuzz_examples_per_s" in t:
-            lines += ["", f"Fuzz (`python -m harness fuzz --world-size {t['fuzz_world_size']}`, same run): "
+            pools = t.get("fuzz_pools", 1)
+            lines += ["", f"Fuzz (`python -m harness fuzz --world-size {t['fuzz_world_size']} --max-examples "
+                      f"{t['fuzz_examples']}`, same run, {pools} pool(s) of ranks side by side): "
                       f"{t['fuzz_examples_per_s']:.1f} examples/s ({t['fuzz_examples']} examples in {t['fuzz_s']:.1f} s, "
-                      f"shrinking included), after a pool start-up of {t['fuzz_start_up_s']:.1f} s paid once."]
+                      f"shrinking included), after a start-up of {t['fuzz_start_up_s']:.1f} s paid once."]
             if t.get("fuzz_ranks_ms") is not None and t.get("all_gather_ms"):
-                lines += ["", f"Per example {t['fuzz_example_ms']:.0f} ms, of which the ranks train "
-                          f"{t['fuzz_ranks_ms']:.0f} ms. One gloo all-gather of 16 elements per rank costs "
+                lines += ["", f"Per example {t['fuzz_example_ms']:.0f} ms of the run's wall time; its ranks train it "
+                          f"for {t['fuzz_ranks_ms']:.0f} ms. One gloo all-gather of 16 elements per rank costs "
                           f"{t['all_gather_ms']:.2f} ms at W = {t['fuzz_world_size']} on this machine, one "
                           f"reduce-scatter {t['reduce_scatter_ms']:.2f} ms (`bench.worker collectives`, the slowest "
                           f"rank): an example's units gather twice and reduce once per micro-batch and step, so its "

@@ -172,14 +172,42 @@ def assemble_snapshot(spec: ModelSpec, faults: tuple[str, ...], replies: list[di
                     init_params, buffers, steps).to_dict()
 
 
-def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = (), impl: str = "ours") -> ExampleResult:
+@dataclass
+class Submitted:
+    """An example the ranks are training (`start_example`); `finish_example` judges it."""
+
+    pool: RankPool
+    spec: ModelSpec
+    faults: tuple[str, ...]
+    impl: str
+    init: dict[str, torch.Tensor]
+    ticket: object = None  # the pool's handle on the request
+    error: str | None = None  # the request never reached the ranks (a pool that could not start)
+
+
+def start_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = (), impl: str = "ours") -> Submitted:
+    """Hand the example to the pool and return while its ranks train."""
     init = init_state(spec)
     try:
-        request = pool.submit({"spec": spec.to_json(), "faults": list(faults), "init": init, "impl": impl})
-        # The ranks train; meanwhile this process builds the reference and its first step.
+        ticket = pool.submit({"spec": spec.to_json(), "faults": list(faults), "init": init, "impl": impl})
+    except ExampleError as e:
+        return Submitted(pool, spec, faults, impl, init, error=str(e))
+    return Submitted(pool, spec, faults, impl, init, ticket)
+
+
+def run_example(pool: RankPool, spec: ModelSpec, faults: tuple[str, ...] = (), impl: str = "ours") -> ExampleResult:
+    return finish_example(start_example(pool, spec, faults, impl))
+
+
+def finish_example(submitted: Submitted) -> ExampleResult:
+    """The reference (built here while the ranks train), the ranks' replies and the judgement."""
+    pool, spec, faults, impl, init = submitted.pool, submitted.spec, submitted.faults, submitted.impl, submitted.init
+    if submitted.error is not None:
+        return ExampleResult(spec, faults, error=submitted.error)
+    try:
         reference = _Reference(spec, init)
         reference.start()
-        replies = pool.collect(request)
+        replies = pool.collect(submitted.ticket)
     except ExampleError as e:
         return ExampleResult(spec, faults, error=str(e))
     refusals = {r["refused"] for r in replies if "refused" in r}

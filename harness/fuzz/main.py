@@ -9,6 +9,7 @@ numel lands below W, at W*k - 1, W*k, W*k + 1 or on a prime.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import shlex
@@ -26,8 +27,8 @@ from hypothesis import strategies as st
 from cases.catalog import OptimizerSpec
 from harness.judge.result import JUDGED
 from harness.errors import UserError
-from harness.fuzz.check import ExampleResult, run_example
-from harness.fuzz.pool import PoolConfig, PoolExitError, RankPool
+from harness.fuzz.check import ExampleResult, finish_example, run_example, start_example
+from harness.fuzz.pool import PoolConfig, PoolExitError, PoolGroup, RankPool
 from harness.fuzz.spec import MAX_NESTING, BlockSpec, ModelSpec, describe
 from harness.run.output import OutputDir
 from harness.run.plan import MAX_CPU_WORLD_SIZE
@@ -199,25 +200,98 @@ def _warm_up_hypothesis(world_size: int, impl: str) -> None:
     draw_only()
 
 
-def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: tuple[str, ...] = (),
-         on_example=None, impl: str = "ours") -> FuzzStats:
-    """Run hypothesis against the pool; stats.failures[-1] is the shrunk example when it failed."""
-    stats = FuzzStats()
+def _fuzz_settings(max_examples: int, phases: tuple[Phase, ...]) -> settings:
+    return settings(max_examples=max_examples, deadline=None, database=None, report_multiple_bugs=False,
+                    suppress_health_check=list(HealthCheck), print_blob=False, phases=phases)
+
+
+def draw_specs(world_size: int, max_examples: int, seed: int, impl: str = "ours") -> list[ModelSpec]:
+    """The models hypothesis's generate phase hands the property for this seed, in order, drawn
+    without running any: its choices depend on the examples' outcomes only once one fails or is
+    rejected, so until then these are the examples `fuzz` judges, whatever the pools' timing."""
+    specs: list[ModelSpec] = []
 
     @hypothesis_seed(seed)
-    @settings(max_examples=max_examples, deadline=None, database=None, report_multiple_bugs=False,
-              suppress_health_check=list(HealthCheck), print_blob=False,
-              phases=(Phase.generate, Phase.shrink))
+    @_fuzz_settings(max_examples, (Phase.generate,))
     @given(specs_for(world_size, impl))
-    def prop(spec: ModelSpec) -> None:
-        start, start_cpu = time.perf_counter(), time.process_time()
-        result = run_example(pool, spec, faults, impl)
-        if result.refused is not None:  # a model this implementation refuses clearly: not an example
+    def draw(spec: ModelSpec) -> None:
+        specs.append(spec)
+
+    draw()
+    return specs
+
+
+def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: tuple[str, ...] = (),
+         on_example=None, impl: str = "ours") -> FuzzStats:
+    """Run hypothesis against the pool; stats.failures[-1] is the shrunk example when it failed.
+
+    [Note: Examples side by side]
+    Hypothesis hands its property one example at a time, yet a pool group (harness/fuzz/pool.py)
+    trains several at once. So the generate phase's examples are drawn first (`draw_specs`) and
+    judged in their order, as many in flight as the group has pools, each recorded as hypothesis
+    would record it. When every one passes, that is the whole run. When one fails (or the
+    implementation refuses one), hypothesis runs as before, with the same seed: it hands the
+    property the same examples again, answered from the judgements already made (not recorded
+    twice), reaches the failure and shrinks it, each new example judged by the pool. A drawn
+    example that hypothesis does not hand back is simply judged anew: the verdicts never rest on
+    the prediction, only the speed does."""
+    stats = FuzzStats()
+    judged: dict[str, ExampleResult] = {}  # spec JSON -> judgement, from the examples judged ahead
+    recorded: list[str] = []  # the judged-ahead examples recorded, in hypothesis's order
+
+    def record(result: ExampleResult, seconds: float, cpu_s: float) -> None:
+        if result.refused is not None:
             stats.refusals[result.refused.splitlines()[0]] = stats.refusals.get(result.refused.splitlines()[0], 0) + 1
-            reject()
-        stats.record(result, time.perf_counter() - start, time.process_time() - start_cpu)
+            return
+        stats.record(result, seconds, cpu_s)
         if on_example is not None:
             on_example(stats, result)
+
+    # Judged ahead: the generate phase, every pool busy.
+    in_flight = getattr(pool, "size", 1)
+    specs = iter(draw_specs(world_size, max_examples, seed, impl))
+    pending: collections.deque = collections.deque()
+    last, last_cpu = time.perf_counter(), time.process_time()
+    stop = False
+    while True:
+        while not stop and len(pending) < in_flight and (spec := next(specs, None)) is not None:
+            pending.append(start_example(pool, spec, faults, impl))
+        if not pending:
+            break
+        result = finish_example(pending.popleft())
+        judged[result.spec.to_json()] = result
+        if stop:  # in flight when an earlier example stopped the run: hypothesis decides whether it counts
+            continue
+        # Each example is charged the time since the previous one finished: with examples side by
+        # side, the sum is the wall time of the run, as with one at a time.
+        now, now_cpu = time.perf_counter(), time.process_time()
+        record(result, now - last, now_cpu - last_cpu)
+        last, last_cpu = now, now_cpu
+        recorded.append(result.spec.to_json())
+        stop = not result.ok
+    if not stop:
+        return stats
+
+    # Hypothesis as it always runs: the same examples, answered from `judged`, then shrinking.
+    position = 0  # in `recorded`, while hypothesis hands back the same examples in the same order
+
+    @hypothesis_seed(seed)
+    @_fuzz_settings(max_examples, (Phase.generate, Phase.shrink))
+    @given(specs_for(world_size, impl))
+    def prop(spec: ModelSpec) -> None:
+        nonlocal position
+        key = spec.to_json()
+        if position < len(recorded) and key == recorded[position]:  # judged and counted above
+            position += 1
+            result = judged[key]
+        else:
+            position = len(recorded)  # off the drawn path (or past it): every example counts from here
+            start, start_cpu = time.perf_counter(), time.process_time()
+            result = judged.get(key) or run_example(pool, spec, faults, impl)
+            judged[key] = result
+            record(result, time.perf_counter() - start, time.process_time() - start_cpu)
+        if result.refused is not None:  # a model this implementation refuses clearly: not an example
+            reject()
         if not result.ok:
             raise _Falsified(result.summary())
 
@@ -241,16 +315,37 @@ def format_failure(result: ExampleResult, impl: str = "ours") -> str:
     return "\n".join(lines)
 
 
+MAX_POOLS = 4  # each pool holds W processes importing torch: memory, not speed, bounds them
+SIDE_BY_SIDE_MIN_EXAMPLES = 100
+
+
+def auto_pools(max_examples: int, threads: int, cores: int | None = None) -> int:
+    """The pools `--pools auto` starts: one per `threads` cores (a pool's ranks, waiting on one
+    another, keep fewer cores busy than they have: measured on 2 cores at W = 4, 1.3), up to
+    MAX_POOLS; one alone for runs shorter than SIDE_BY_SIDE_MIN_EXAMPLES, where the start-up of
+    the others costs more than they save (measured on 2 cores at W = 4: a second pool adds about
+    6 s of start-up and saves about 60 ms per example, so it pays for itself from about 96)."""
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    if max_examples < SIDE_BY_SIDE_MIN_EXAMPLES:
+        return 1
+    return max(1, min(MAX_POOLS, cores // threads))
+
+
 def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...], replay: str | None,
-         out_dir: Path, threads: int, example_timeout_s: float, progress: bool = True, impl: str = "ours") -> bool:
-    """True when every example passed. Library-level: raises UserError for bad arguments (before
-    any rank starts), PoolLost when the infrastructure took a rank away; never exits."""
+         out_dir: Path, threads: int, example_timeout_s: float, progress: bool = True, impl: str = "ours",
+         pools: int | None = 1) -> bool:
+    """True when every example passed (`pools` None: `auto_pools`). Library-level: raises
+    UserError for bad arguments (before any rank starts), PoolLost when the infrastructure took a
+    rank away; never exits."""
     if max_examples < 1:
         raise UserError(f"--max-examples={max_examples} must be >= 1")
     if threads < 1:
         raise UserError(f"--threads={threads} must be >= 1 (intra-op threads per rank)")
     if not example_timeout_s > 0:
         raise UserError(f"--example-timeout={example_timeout_s} must be > 0 seconds")
+    pools = auto_pools(max_examples, threads) if pools is None else pools
+    if pools < 1:
+        raise UserError(f"--pools={pools} must be >= 1 (pools of W ranks training examples side by side)")
     if not 1 <= world_size <= MAX_CPU_WORLD_SIZE:
         raise UserError(f"--world-size={world_size} must be between 1 and {MAX_CPU_WORLD_SIZE} (every rank of the "
                         f"pool is a process importing torch on this host)")
@@ -275,22 +370,24 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
     torch.set_num_threads(1)
     try:
         with OutputDir(out_dir, uuid.uuid4().hex, ("logs",)):  # owned and locked: pool logs of one run only
-            return _main(config, spec, max_examples, seed, faults, progress, impl)
+            return _main(config, spec, max_examples, seed, faults, progress, impl, pools)
     finally:
         torch.set_num_threads(parent_threads)
 
 
 def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: int, faults: tuple[str, ...],
-          progress: bool, impl: str) -> bool:
+          progress: bool, impl: str, pools: int) -> bool:
     world_size = config.world_size
-    with RankPool(config) as pool:
+    with PoolGroup(config, 1 if spec is not None else pools) as pool:
         # The first example pays for lazy imports and kernel set-up in every rank: start-up, not rate.
         warm = time.perf_counter()
-        run_example(pool, warm_up_spec(world_size), (), impl)
+        for submitted in [start_example(pool, warm_up_spec(world_size), (), impl) for _ in range(pool.size)]:
+            finish_example(submitted)  # one per pool: `submit` hands each to the pool with none in flight
         if spec is None:
             _warm_up_hypothesis(world_size, impl)
         start_s = pool.start_s + time.perf_counter() - warm
-        print(f"[fuzz] pool of {world_size} ranks started in {start_s:.1f}s", flush=True)
+        what = f"pool of {world_size} ranks" if pool.size == 1 else f"{pool.size} pools of {world_size} ranks"
+        print(f"[fuzz] {what} started in {start_s:.1f}s", flush=True)
         if spec is not None:
             result = run_example(pool, spec, faults, impl)
             exit_error = _close(pool)
@@ -313,16 +410,16 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
         wall = time.perf_counter()
         stats = fuzz(pool, world_size, max_examples, seed, faults, show, impl)
         wall = time.perf_counter() - wall
-        restarts = pool.num_starts - 1
+        restarts = pool.num_starts - pool.size
         exit_error = _close(pool)
     rate = stats.num_examples / max(wall, 1e-9)
     print(f"[fuzz] impl={impl} W={world_size} seed={seed} faults={list(faults)}: {stats.num_examples} examples "
           f"(shrinking included) in {wall:.1f}s = {rate:.1f} examples/s; pool start-up {start_s:.1f}s "
-          f"paid once, {restarts} restart(s) after failing examples")
+          f"paid once, {restarts} restart(s) after failing examples, {pool.size} pool(s) side by side")
     if stats.num_examples:
         per = 1e3 / stats.num_examples
-        print(f"[fuzz] per example: {stats.example_s * per:.0f} ms, of which ranks training {stats.rank_s * per:.0f} ms "
-              f"(collectives included), the rest request/reply, the reference and the checks")
+        print(f"[fuzz] per example: {stats.example_s * per:.0f} ms of the run's wall time; its ranks train it for "
+              f"{stats.rank_s * per:.0f} ms (collectives included), {pool.size} pool(s) side by side")
         print(cpu_line(stats, world_size, len(os.sched_getaffinity(0))))
     for refusal, count in stats.refusals.items():
         print(f"[fuzz] {count} drawn model(s) refused at wrap, not counted: {refusal}")

@@ -58,8 +58,9 @@ class PoolConfig:
 
 
 class RankPool:
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: PoolConfig, name: str = "pool") -> None:
         self.config = config
+        self.name = name  # its logs: config.log_dir / f"{name}-{start}"
         self.num_starts = 0
         self.start_s = 0.0  # seconds spent starting pools, all restarts included
         self._launch: Launch | None = None
@@ -67,12 +68,19 @@ class RankPool:
         self._waiter_store: dist.TCPStore | None = None  # a second client, blocked in wait() (see submit)
         self._next = 0
         self._pending: dict[int, tuple[threading.Event, float]] = {}  # request -> (all replied, deadline)
+        self._started = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        started = time.monotonic()
+        self.launch()
+        self.await_ready()
+
+    def launch(self) -> None:
+        """Start the ranks and return at once (`await_ready` waits for them): pools of a
+        `PoolGroup` start side by side."""
+        self._started = time.monotonic()
         cfg = self.config
-        log_dir = (cfg.log_dir / f"pool-{self.num_starts}").resolve()
+        log_dir = (cfg.log_dir / f"{self.name}-{self.num_starts}").resolve()
         log_dir.mkdir(parents=True, exist_ok=True)
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=cfg.example_timeout_s))
@@ -88,10 +96,12 @@ class RankPool:
         self._launch.start()
         self._next = 0
         self.num_starts += 1
+
+    def await_ready(self) -> None:
         try:
-            self._wait([f"ready/{r}" for r in range(cfg.world_size)], cfg.start_timeout_s, "start")
+            self._wait([f"ready/{r}" for r in range(self.config.world_size)], self.config.start_timeout_s, "start")
         finally:
-            self.start_s += time.monotonic() - started
+            self.start_s += time.monotonic() - self._started
 
     def close(self) -> None:
         """Tell the ranks to stop and wait for them to exit; PoolExitError (with the ranks'
@@ -197,6 +207,11 @@ class RankPool:
         self._pending[i] = (done, time.monotonic() + self.config.example_timeout_s)
         return i
 
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet collected."""
+        return len(self._pending)
+
     def _reply_keys(self, i: int) -> list[str]:
         return [f"rep/{i}/{r}" for r in range(self.config.world_size)]
 
@@ -225,3 +240,78 @@ class RankPool:
     def run(self, request: dict) -> list[dict]:
         """Every rank's reply to one request, in rank order; ExampleError if any rank failed."""
         return self.collect(self.submit(request))
+
+
+class PoolGroup:
+    """`size` pools of W ranks each, started side by side, serving examples side by side: a
+    pool's ranks spend most of an example waiting on one another (each collective a chain of
+    wake-ups across the processes), so one pool leaves cores idle that a second one fills. The
+    interface of one `RankPool`: `submit` hands the request to the pool with the fewest in flight
+    and returns its ticket; `collect` takes the ticket. A failing example restarts its own pool
+    only. Pools run the same code with the same threads and backend, so an example's evidence is
+    the same bits in any of them."""
+
+    def __init__(self, config: PoolConfig, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"PoolGroup size={size} must be >= 1")
+        self.size = size
+        self.pools = [RankPool(config, "pool" if k == 0 else f"pool{k}") for k in range(size)]
+        self._start_wall = 0.0
+        self._first_start_s = [0.0] * size
+
+    @property
+    def num_starts(self) -> int:
+        return sum(p.num_starts for p in self.pools)
+
+    @property
+    def start_s(self) -> float:
+        """The wall time of the side-by-side start, plus every restart since."""
+        return self._start_wall + sum(p.start_s - s for p, s in zip(self.pools, self._first_start_s))
+
+    def start(self) -> None:
+        started = time.monotonic()
+        try:
+            for p in self.pools:
+                p.launch()
+            for p in self.pools:
+                p.await_ready()
+        finally:
+            self._start_wall = time.monotonic() - started
+            self._first_start_s = [p.start_s for p in self.pools]
+
+    def submit(self, request: dict) -> tuple[int, int]:
+        k = min(range(self.size), key=lambda j: self.pools[j].in_flight)
+        return k, self.pools[k].submit(request)
+
+    def collect(self, ticket: tuple[int, int]) -> list[dict]:
+        k, i = ticket
+        return self.pools[k].collect(i)
+
+    def close(self) -> None:
+        """Close every pool (see RankPool.close); the first PoolExitError once all are closed."""
+        errors = []
+        for p in self.pools:
+            try:
+                p.close()
+            except PoolExitError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _kill(self) -> None:
+        for p in self.pools:
+            p._kill()
+
+    def __enter__(self) -> PoolGroup:
+        try:
+            self.start()
+        except BaseException:
+            self._kill()
+            raise
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._kill()
