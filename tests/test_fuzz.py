@@ -25,6 +25,8 @@ class InProcessPool:
     """The pool's interface at W = 1 with no process group: the rank code runs right here.
     `corrupt` may rewrite the reply, to plant a bug the real impl does not have."""
 
+    size = 1  # examples in flight at once, as a RankPool
+
     def __init__(self, corrupt=None) -> None:
         self.corrupt = corrupt
         self.num_requests = 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.run.plan import usable_cores
 from harness.run.snapshot import load_snapshot, save_snapshot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ def test_every_world_size_in_one_launch_is_bitwise_a_launch_of_its_own(tmp_path)
     # launch rank 1 as their rank 0, and are compared below like every other.
     ran_in = {p.parent.name: json.loads(p.read_text())["launch_ranks"] for p in (tmp_path / "both").glob("snapshots/*/started.json")}
     assert sorted(ran_in) == sorted({rel.parent.name for rel in files}), ran_in
-    teams = {(0,), (1,)} if len(os.sched_getaffinity(0)) >= 2 else {(0,)}
+    teams = {(0,), (1,)} if usable_cores() >= 2 else {(0,)}
     assert {tuple(r) for c, r in ran_in.items() if ".w2." not in c} == teams, ran_in
     own = {rel: tmp_path / ("w1" if ".w1." in str(rel) else "w2") / rel for rel in files}
     assert sorted(set(_snapshot_files(tmp_path / "w1")) | set(_snapshot_files(tmp_path / "w2"))) == files

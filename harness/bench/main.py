@@ -25,6 +25,7 @@ from tabulate import tabulate
 
 from harness.bench import live_memory
 from harness.run.launch import Launch, TorchrunSpec
+from harness.run.plan import usable_cores
 from harness.run.snapshot import write_atomic_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -173,10 +174,6 @@ def _children_cpu_s() -> float:
     for its ranks), user and system."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def harness_throughput(cfg: BenchConfig, work: Path) -> dict:

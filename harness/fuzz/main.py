@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import shlex
 import time
 import uuid
@@ -31,7 +30,7 @@ from harness.fuzz.check import ExampleResult, finish_example, run_example, start
 from harness.fuzz.pool import PoolConfig, PoolExitError, PoolGroup, RankPool
 from harness.fuzz.spec import MAX_NESTING, BlockSpec, ModelSpec, describe
 from harness.run.output import OutputDir
-from harness.run.plan import MAX_CPU_WORLD_SIZE
+from harness.run.plan import MAX_CPU_WORLD_SIZE, usable_cores
 
 OPTIMIZERS = (
     OptimizerSpec("sgd", lr=0.05),
@@ -190,14 +189,7 @@ def _warm_up_hypothesis(world_size: int, impl: str) -> None:
     """Hypothesis's one-off costs in this process, paid before the rate is measured: a full garbage
     collection when it first seeds the random generators it manages, and its scan of the loaded
     modules for constants to draw."""
-
-    @settings(max_examples=2, deadline=None, database=None, suppress_health_check=list(HealthCheck),
-              phases=(Phase.generate,))
-    @given(specs_for(world_size, impl))
-    def draw_only(spec: ModelSpec) -> None:
-        pass
-
-    draw_only()
+    draw_specs(world_size, 2, 0, impl)
 
 
 def _fuzz_settings(max_examples: int, phases: tuple[Phase, ...]) -> settings:
@@ -248,13 +240,12 @@ def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: 
             on_example(stats, result)
 
     # Judged ahead: the generate phase, every pool busy.
-    in_flight = getattr(pool, "size", 1)
     specs = iter(draw_specs(world_size, max_examples, seed, impl))
     pending: collections.deque = collections.deque()
     last, last_cpu = time.perf_counter(), time.process_time()
     stop = False
     while True:
-        while not stop and len(pending) < in_flight and (spec := next(specs, None)) is not None:
+        while not stop and len(pending) < pool.size and (spec := next(specs, None)) is not None:
             pending.append(start_example(pool, spec, faults, impl))
         if not pending:
             break
@@ -325,7 +316,7 @@ def auto_pools(max_examples: int, threads: int, cores: int | None = None) -> int
     MAX_POOLS; one alone for runs shorter than SIDE_BY_SIDE_MIN_EXAMPLES, where the start-up of
     the others costs more than they save (measured on 2 cores at W = 4: a second pool adds about
     6 s of start-up and saves about 60 ms per example, so it pays for itself from about 96)."""
-    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    cores = usable_cores() if cores is None else cores
     if max_examples < SIDE_BY_SIDE_MIN_EXAMPLES:
         return 1
     return max(1, min(MAX_POOLS, cores // threads))
@@ -420,7 +411,7 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
         per = 1e3 / stats.num_examples
         print(f"[fuzz] per example: {stats.example_s * per:.0f} ms of the run's wall time; its ranks train it for "
               f"{stats.rank_s * per:.0f} ms (collectives included), {pool.size} pool(s) side by side")
-        print(cpu_line(stats, world_size, len(os.sched_getaffinity(0))))
+        print(cpu_line(stats, world_size, usable_cores()))
     for refusal, count in stats.refusals.items():
         print(f"[fuzz] {count} drawn model(s) refused at wrap, not counted: {refusal}")
     if stats.honest_margins:

@@ -58,6 +58,8 @@ class PoolConfig:
 
 
 class RankPool:
+    size = 1  # examples it trains at once (a PoolGroup: one per pool)
+
     def __init__(self, config: PoolConfig, name: str = "pool") -> None:
         self.config = config
         self.name = name  # its logs: config.log_dir / f"{name}-{start}"

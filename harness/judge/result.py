@@ -110,6 +110,14 @@ class Verdict(str, enum.Enum):
         return format(self.value, spec)
 
 
+SEVERITY = (Verdict.PASS, Verdict.FAIL, Verdict.ERROR)
+
+
+def worst_verdict(*verdicts: Verdict) -> Verdict:
+    """The worst of `verdicts` (PASS when there are none): an error over a fail over a pass."""
+    return max(verdicts, key=SEVERITY.index, default=Verdict.PASS)
+
+
 def nan_max(a: float, b: float) -> float:
     """max that keeps a NaN (the built-in max keeps or drops it depending on the order)."""
     return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)

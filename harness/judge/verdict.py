@@ -16,7 +16,7 @@ import torch
 
 from cases.catalog import get_case
 from harness.judge.diff import DiffStats, OptimizerResult, ReferenceDiverged, check_snapshot, flat
-from harness.judge.result import Verdict, Violation, first_of, nan_max
+from harness.judge.result import Verdict, Violation, first_of, nan_max, worst_verdict
 from harness.judge.layouts import LayoutError, check_layouts, parameter_names
 from harness.run.evidence import (EvidenceError, check_same_steps, check_snapshot_evidence, model_buffers,
                                   model_parameters)
@@ -44,9 +44,8 @@ class CellResult:
 
     @property
     def verdict(self) -> Verdict:
-        found = (Verdict.ERROR if self.error is not None or any(r.error is not None for r in self.optimizers.values())
-                 else Verdict.FAIL if self.violations else Verdict.PASS)
-        return max(self.given, found, key=_SEVERITY.index)
+        own = Verdict.ERROR if self.error is not None else Verdict.PASS
+        return worst_verdict(self.given, own, *(r.verdict for r in self.optimizers.values()))
 
     @verdict.setter
     def verdict(self, value: Verdict) -> None:
@@ -71,9 +70,6 @@ class CellResult:
             for check, value in r.margins.items():
                 out[check] = nan_max(out.get(check, 0.0), value)
         return out
-
-
-_SEVERITY = (Verdict.PASS, Verdict.FAIL, Verdict.ERROR)
 
 
 @dataclass(frozen=True)

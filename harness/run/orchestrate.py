@@ -87,13 +87,14 @@ def _charged(plan: RunPlan, result: LaunchResult, unfinished: list[Cell]) -> lis
     """The cells a failed launch is charged to (the module docstring): the cells it was running
     when it timed out; else the one whose ranks include the rank torchrun names as the first
     failure; else the first one running; else the first one it had not finished."""
-    running = [c for c in unfinished if launch_ranks(plan, c) is not None]
+    ranks = {c.cell_id: launch_ranks(plan, c) for c in unfinished}
+    running = [c for c in unfinished if ranks[c.cell_id] is not None]
     if not running:
         return unfinished[:1]
     if result.timed_out:
         return running
     first = result.first_failed_rank()
-    return [c for c in running if first in launch_ranks(plan, c)][:1] or running[:1]
+    return [c for c in running if first in ranks[c.cell_id]][:1] or running[:1]
 
 
 def _ran_in(plan: RunPlan, cell: Cell) -> str:

@@ -328,6 +328,11 @@ def _skip_reason(case, adapter) -> str | None:
     return device_available(case.features) or adapter.unsupported(case.features)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which a container or `taskset` narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def max_teams(plan: RunPlan) -> int:
     """How many cells of one world size a launch runs side by side, each in its own ranks
     ([Note: One launch, every world size], harness/run/orchestrate.py): on GPUs as many as the
@@ -335,8 +340,7 @@ def max_teams(plan: RunPlan) -> int:
     plan.threads each (more would only share the same cores, and hold as many models in memory)."""
     if plan.device != "cpu":
         return 1 << 30
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // plan.threads)
+    return max(1, usable_cores() // plan.threads)
 
 
 def write_launch_plan(path: Path, plan: RunPlan, world_size: int, cells: tuple[Cell, ...]) -> None:

@@ -419,9 +419,9 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
     case = get_case(cell.case)
     init_state, init_buffers = load_init(init_dir / f"{case.name}.pt", run_id)
     start = time.perf_counter()
-    for spec in case.optimizers:
-        if not resolve_impl(cell.impl).needs_process_group and ctx.rank != 0:
-            continue  # a single-process cell (the reference) runs on its team's rank 0 alone
+    # a single-process cell (the reference) runs on its team's rank 0 alone
+    runs_here = resolve_impl(cell.impl).needs_process_group or ctx.rank == 0
+    for spec in case.optimizers if runs_here else ():
         snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers)
         if snapshot is not None:
             snapshot["run_id"] = run_id
