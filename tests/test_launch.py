@@ -39,9 +39,14 @@ def _processes_of(launch_id: str) -> list[int]:
     return pids
 
 
-def _launch(tmp_path: Path, mode: str, timeout_s: float, overdue=None) -> tuple[Launch, object]:
+# Both ways a launch starts its ranks: torchrun's command line, and forked from one launcher that
+# imported their module ([Note: Forked ranks], harness/run/prefork.py).
+START = pytest.mark.parametrize("prefork", [False, True], ids=["torchrun", "forked"])
+
+
+def _launch(tmp_path: Path, mode: str, timeout_s: float, overdue=None, prefork: bool = False) -> tuple[Launch, object]:
     spec = TorchrunSpec(2, "launch_probe", (mode,), tmp_path / mode, timeout_s, threads=1,
-                        extra_pythonpath=(RANK_SCRIPTS,))
+                        extra_pythonpath=(RANK_SCRIPTS,), prefork=prefork)
     launch = Launch(spec)
     return launch, launch.run(overdue=overdue(launch) if overdue else None)
 
@@ -61,16 +66,31 @@ def _once_both_hang(launch: Launch):
     return overdue
 
 
-def test_an_honest_launch_succeeds_and_leaves_nothing(tmp_path):
-    launch, result = _launch(tmp_path, "ok", LAUNCH_TIMEOUT_S)
+@START
+def test_an_honest_launch_succeeds_and_leaves_nothing(tmp_path, prefork):
+    launch, result = _launch(tmp_path, "ok", LAUNCH_TIMEOUT_S, prefork=prefork)
     assert result.ok, result.failure_text()
     assert [("rank 0 of 2 done" in log.stdout, "rank 1 of 2 done" in log.stdout) for log in result.rank_logs] == \
         [(True, False), (False, True)]
+    assert [f"named harness-rank{log.rank}" in log.stdout for log in result.rank_logs] == [True, True]
     assert _processes_of(launch.launch_id) == []
 
 
-def test_a_rank_that_raises_is_named_with_its_traceback_and_nothing_survives(tmp_path):
-    launch, result = _launch(tmp_path, "crash", LAUNCH_TIMEOUT_S)
+@START
+@pytest.mark.parametrize("mode", ["exit3", "atexit"])
+def test_a_rank_that_exits_non_zero_fails_the_launch(tmp_path, prefork, mode):
+    """sys.exit(3) after the work, or an exit hook ending the process with 7 once everything else
+    succeeded (a crash after the evidence is written): the launch fails, naming rank 1."""
+    launch, result = _launch(tmp_path, mode, LAUNCH_TIMEOUT_S, prefork=prefork)
+    assert not result.ok and not result.timed_out and result.returncode != 0, result.launcher_output[-2000:]
+    assert result.first_failed_rank() == 1, result.launcher_output[-2000:]
+    assert "exitcode  : " + ("3" if mode == "exit3" else "7") in result.launcher_output, result.launcher_output[-2000:]
+    assert _processes_of(launch.launch_id) == []
+
+
+@START
+def test_a_rank_that_raises_is_named_with_its_traceback_and_nothing_survives(tmp_path, prefork):
+    launch, result = _launch(tmp_path, "crash", LAUNCH_TIMEOUT_S, prefork=prefork)
     assert not result.ok and not result.timed_out and result.returncode != 0
     text = result.failure_text()
     assert text.startswith(f"launch W=2 exited {result.returncode}; first failure: rank 1\n"), text
@@ -78,8 +98,9 @@ def test_a_rank_that_raises_is_named_with_its_traceback_and_nothing_survives(tmp
     assert _processes_of(launch.launch_id) == []
 
 
-def test_a_hung_launch_times_out_with_every_ranks_stack_and_nothing_survives(tmp_path):
-    launch, result = _launch(tmp_path, "hang", HANG_TIMEOUT_S, _once_both_hang)
+@START
+def test_a_hung_launch_times_out_with_every_ranks_stack_and_nothing_survives(tmp_path, prefork):
+    launch, result = _launch(tmp_path, "hang", HANG_TIMEOUT_S, _once_both_hang, prefork=prefork)
     assert result.timed_out and result.returncode == 124
     text = result.failure_text()
     assert text.startswith("launch W=2 timed out after"), text

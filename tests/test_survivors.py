@@ -27,8 +27,9 @@ TAG_VAR = "HARNESS_TEST_TAG"  # set by the test, inherited by every process the 
 GONE_WITHIN_S = 120.0
 
 
-def _processes(tag: str, *markers: str) -> list[int]:
-    """Processes started for this test (TAG_VAR=tag) that carry every one of `markers`."""
+def _processes(tag: str, *markers: str, name: str = "") -> list[int]:
+    """Processes started for this test (TAG_VAR=tag) that carry every one of `markers` and whose
+    name starts with `name` (a rank's is harness-rank<N>: a forked rank's environ is its launcher's)."""
     wanted = [f"{TAG_VAR}={tag}".encode()] + [m.encode() for m in markers]
     found = []
     for entry in os.listdir("/proc"):
@@ -36,9 +37,10 @@ def _processes(tag: str, *markers: str) -> list[int]:
             continue
         try:
             env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            comm = Path(f"/proc/{entry}/comm").read_text().strip()
         except OSError:
             continue  # gone
-        if all(any(e.startswith(w) for e in env) for w in wanted):
+        if all(any(e.startswith(w) for e in env) for w in wanted) and comm.startswith(name):
             found.append(int(entry))
     return found
 
@@ -81,7 +83,7 @@ def test_no_process_of_the_run_survives_its_parent(tmp_path, sig):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.5)
     run = _processes(tag, "HARNESS_LAUNCH_ID=")
-    ranks = _processes(tag, "HARNESS_LAUNCH_ID=", "LOCAL_RANK=")
+    ranks = _processes(tag, "HARNESS_LAUNCH_ID=", name="harness-rank")
     assert len(ranks) == 2 and len(run) >= 3, _describe(run)  # torchrun and both ranks
 
     os.kill(proc.pid, sig)
@@ -105,7 +107,8 @@ def test_a_killed_pool_rank_is_one_clear_line_and_exit_1(tmp_path):
     while "2 ranks started" not in line:  # the pools serve examples from here on
         line = proc.stdout.readline()
         assert line or proc.poll() is None, proc.communicate()
-    rank1 = _processes(tag, "HARNESS_LAUNCH_ID=", "LOCAL_RANK=1")
+    rank1 = [pid for pid in _processes(tag, "HARNESS_LAUNCH_ID=", name="harness-rank1")
+             if Path(f"/proc/{pid}/comm").read_text().strip() == "harness-rank1"]
     assert len(rank1) == (2 if "2 pools" in line else 1), line
     os.kill(rank1[0], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=300)

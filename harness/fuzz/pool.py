@@ -94,7 +94,7 @@ class RankPool:
             "collective_timeout_s": cfg.example_timeout_s, "idle_timeout_s": 24 * 3600,
         }))
         self._launch = Launch(TorchrunSpec(cfg.world_size, "harness.fuzz.worker", (str(config_file),), log_dir,
-                                           timeout_s=None, threads=cfg.threads))
+                                           timeout_s=None, threads=cfg.threads, prefork=True))
         self._launch.start()
         self._next = 0
         self.num_starts += 1

@@ -3,7 +3,7 @@ and no survivors. Every verb launches through it: run (one launch per world size
 mutants pool (a persistent launch fed through a TCPStore) and bench.
 
 Every process of a launch carries `HARNESS_LAUNCH_ID=<uuid>` in its environment. On timeout the
-ranks (the processes that also carry LOCAL_RANK) get SIGUSR1, on which the rank's faulthandler
+ranks (every process of the launch but torchrun itself) get SIGUSR1, on which the rank's faulthandler
 (harness/run/rank.py) dumps every thread's stack into that rank's log; then every process
 carrying the id is killed. The same scan runs after every launch, so no process outlives the run
 even if torchrun dies first (its ranks run in sessions of their own, so killing torchrun's group
@@ -54,6 +54,9 @@ class TorchrunSpec:
     threads: int = 1  # intra-op threads per rank
     extra_pythonpath: tuple[str, ...] = ()  # directories of a user's --impls / --cases files
     extra_env: tuple[tuple[str, str], ...] = ()  # (name, value) set in the ranks' environment (bench)
+    # Ranks forked from one launcher that imported their module once ([Note: Forked ranks],
+    # harness/run/prefork.py) instead of started by torchrun's command line, each importing torch.
+    prefork: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.threads < 1:
@@ -81,7 +84,7 @@ class Launch:
         spec = self.spec
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-m", "harness.run.prefork" if spec.prefork else "torch.distributed.run",
             "--nnodes=1", f"--nproc-per-node={spec.world_size}",
             "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
             f"--log-dir={self.log_dir / 'ranks'}", "--redirects=3",
@@ -111,9 +114,9 @@ class Launch:
         return True
 
     def dump_stacks(self) -> None:
-        """SIGUSR1 to every rank (the processes that carry LOCAL_RANK): each writes every
-        thread's stack into its log; then the time to write them."""
-        _signal_all(_processes_with(self.launch_id, also="LOCAL_RANK="), signal.SIGUSR1)
+        """SIGUSR1 to every rank (the processes of the launch other than torchrun itself): each
+        writes every thread's stack into its log; then the time to write them."""
+        _signal_all([pid for pid in _processes_with(self.launch_id) if pid != self._proc.pid], signal.SIGUSR1)
         time.sleep(STACK_DUMP_GRACE_S)
 
     def kill(self) -> None:
@@ -199,7 +202,7 @@ def launch(
     plan_file = (log_dir / "plan.json").resolve()
     write_launch_plan(plan_file, plan, world_size, cells)
     spec = TorchrunSpec(world_size, "harness.run.worker", (str(plan_file),), log_dir, plan.timeout_s, plan.threads,
-                        plan.extra_pythonpath)
+                        plan.extra_pythonpath, prefork=plan.device == "cpu")
     result = Launch(spec).run(on_poll, overdue)
     return dataclasses.replace(result, cell_ids=tuple(c.cell_id for c in cells))
 
@@ -226,7 +229,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _processes_with(launch_id: str, also: str | None = None) -> list[int]:
+def _processes_with(launch_id: str) -> list[int]:
     marker = f"{LAUNCH_ID_VAR}={launch_id}".encode()
     pids = []
     for entry in os.listdir("/proc"):
@@ -237,7 +240,7 @@ def _processes_with(launch_id: str, also: str | None = None) -> list[int]:
                 env = f.read().split(b"\0")
         except OSError:
             continue  # gone, or not ours to read
-        if marker in env and (also is None or any(e.startswith(also.encode()) for e in env)):
+        if marker in env:
             pids.append(int(entry))
     return pids
 

@@ -22,6 +22,7 @@ import time
 
 PARENT_VAR = "HARNESS_PARENT"  # "<pid>:<start time>" of the harness process that owns a launch
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 WATCH_INTERVAL_S = 0.5
 
 
@@ -31,6 +32,14 @@ def set_death_signal(sig: int = signal.SIGKILL) -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def name_process(name: str) -> bool:
+    """Name this process (its main thread) as ps, top and /proc/PID/comm show it: at most 15 bytes."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0) == 0
 
 
 def _start_time(pid: int) -> str | None:

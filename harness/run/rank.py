@@ -32,6 +32,9 @@ def rank_prologue(threads: int, backend: str = "gloo", device: str = "cpu",
                   collective_timeout_s: float | None = None) -> RankContext:
     """This rank's context in the world group, after the steps above."""
     lifeline.die_with_launch()  # dies with torchrun and with the harness, SIGKILL included
+    # A forked rank's command line and /proc environ are its launcher's ([Note: Forked ranks]):
+    # its name says which rank it is.
+    lifeline.name_process(f"harness-rank{os.environ.get('RANK', '')}")
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(threads)

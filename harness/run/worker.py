@@ -9,6 +9,7 @@ variables it reads are torchrun's own (RANK, WORLD_SIZE, MASTER_*).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -319,8 +320,12 @@ def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.T
 SEGMENT_WAIT = timedelta(hours=24)
 
 
+@functools.cache
 def _launch_store() -> dist.Store:
-    """A client of the launch's own store (torchrun's rendezvous store, on every node)."""
+    """This rank's one client of the launch's own store (torchrun's rendezvous store, on every
+    node). One, not one per use: a connection costs the client a reverse lookup of the store's
+    address, and where the resolver asks a DNS server that drops some queries (this host's drops
+    about one in 25), one of them stalls its rank for the resolver's 5 s timeout."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=SEGMENT_WAIT)
 
