@@ -287,7 +287,7 @@ def _add_search_verbs(verbs) -> None:
     fuzz.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
     fuzz.add_argument("--pools", default="auto",
                       help="pools of W ranks training examples side by side (default auto: one per --threads cores, "
-                           "up to 4, from 100 examples on; one below)")
+                           "up to 4, from 8 examples on; one below)")
     fuzz.add_argument("--example-timeout", type=float, default=60.0,
                       help="seconds per example before the pool is restarted (default 60)")
     fuzz.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted bugs: the fuzzer must fail

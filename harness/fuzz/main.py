@@ -306,16 +306,18 @@ def format_failure(result: ExampleResult, impl: str = "ours") -> str:
     return "\n".join(lines)
 
 
-MAX_POOLS = 4  # each pool holds W processes importing torch: memory, not speed, bounds them
-SIDE_BY_SIDE_MIN_EXAMPLES = 100
+MAX_POOLS = 4  # each pool holds W rank processes: memory, not speed, bounds them
+SIDE_BY_SIDE_MIN_EXAMPLES = 8
 
 
 def auto_pools(max_examples: int, threads: int, cores: int | None = None) -> int:
     """The pools `--pools auto` starts: one per `threads` cores (a pool's ranks, waiting on one
     another, keep fewer cores busy than they have: measured on 2 cores at W = 4, 1.3), up to
     MAX_POOLS; one alone for runs shorter than SIDE_BY_SIDE_MIN_EXAMPLES, where the start-up of
-    the others costs more than they save (measured on 2 cores at W = 4: a second pool adds about
-    6 s of start-up and saves about 60 ms per example, so it pays for itself from about 96)."""
+    the others costs more than they save (measured on 2 cores at W = 4, ranks forked
+    ([Note: Forked ranks], harness/run/prefork.py): a second pool adds about 0.2 s of start-up
+    and saves about 60 ms per example, so it pays for itself from about 4; 8 leaves room for a
+    slower start)."""
     cores = usable_cores() if cores is None else cores
     if max_examples < SIDE_BY_SIDE_MIN_EXAMPLES:
         return 1
