@@ -12,9 +12,11 @@ Layout (data flows down the list; `python -m harness VERB` enters through cli.py
 
 [Note: Import walls] (tests/test_walls.py reads every module's imports and enforces these):
 1. judge/ and report/ read results; they import no process machinery (run/orchestrate, run/launch,
-   run/lifeline, fuzz/pool), no verb (cli, ci/) and no rank-side module.
+   run/prefork, run/lifeline, fuzz/pool), no verb (cli, ci/) and no rank-side module.
 2. A rank-side module (run/worker, fuzz/worker, bench/worker: what torchrun runs with `-m`) is
-   imported by no other module of the harness: the parent never imports a worker.
+   imported by no other module of the harness: the parent never imports a worker. (run/prefork,
+   the launcher that forks ranks, imports the one its command line names, by name, in its own
+   process: [Note: Forked ranks].)
 3. Only adapters/ours.py imports impl/ (bench/worker.py too: it measures impl's own units and
    flat-parameter handles, memory figures no adapter exposes).
 4. No module imports a private name (a leading underscore) of another module, nor a private

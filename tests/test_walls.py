@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("harness", "cases", "impl")
 
 # Wall 1: what the judge and the reports, which read results, never import.
-MACHINERY = ("harness.run.orchestrate", "harness.run.launch", "harness.run.lifeline", "harness.run.rank",
-             "harness.fuzz.pool", "harness.cli", "harness.ci")
+MACHINERY = ("harness.run.orchestrate", "harness.run.launch", "harness.run.prefork", "harness.run.lifeline",
+             "harness.run.rank", "harness.fuzz.pool", "harness.cli", "harness.ci")
 READERS = ("harness.judge", "harness.report")
 # Wall 2: the modules torchrun runs inside every rank (`-m`); no other module imports them.
 RANK_SIDE = ("harness.run.worker", "harness.fuzz.worker", "harness.bench.worker")
@@ -163,6 +163,7 @@ PLANTED = [
     ("harness.judge.planted", "from harness.run.orchestrate import run_plan\n", "wall 1"),
     ("harness.report.planted", "def f():\n    from harness.ci import gate\n", "wall 1"),
     ("harness.report.planted", "import harness.run.worker\n", "wall 1"),
+    ("harness.judge.planted", "from harness.run.prefork import rank_main\n", "wall 1"),
     ("harness.fuzz.planted", "from harness.fuzz.worker import main\n", "wall 2"),
     ("harness.run.planted", "from harness.run import worker\n", "wall 2"),
     ("harness.run.planted", "def f():\n    import impl\n", "wall 3"),

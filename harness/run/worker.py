@@ -1,6 +1,7 @@
 """Inside every rank: pin threads, then for each Cell of this launch and each optimizer of its
 case build the model from the reference initial state, wrap it through the adapter, train,
-and snapshot (rank 0 writes). Run as `python -m torch.distributed.run ... -m harness.run.worker PLAN`.
+and snapshot (rank 0 writes). Run as `python -m torch.distributed.run ... -m harness.run.worker PLAN`
+(on CPUs `python -m harness.run.prefork ...`, the same arguments: [Note: Forked ranks]).
 
 The only configuration a rank reads is the launch plan file (the Cells); the environment
 variables it reads are torchrun's own (RANK, WORLD_SIZE, MASTER_*).
@@ -397,7 +398,9 @@ def _claims(segment: int, team: int, ctx: RankContext, num_cells: int):
 
 def _import_dynamo_in_turn(world: RankContext, sizes: list[int], max_teams: int) -> None:
     """The first optimizer of a process imports torch._dynamo (torch.optim's constructors are
-    wrapped by torch._compile._disable_dynamo): seconds of CPU per rank. Done here, in turns: the
+    wrapped by torch._compile._disable_dynamo): seconds of CPU per rank. A forked rank has it
+    from its launcher ([Note: Forked ranks]); a rank torchrun's command line started (GPUs)
+    imports it here, in turns: the
     ranks of the first world size at once; a rank that first trains at world size W once every
     rank of the world size before W has (it imports while those ranks train, which leaves CPU
     idle waiting on each other's collectives, instead of competing with rank 0's own import)."""
