@@ -59,7 +59,8 @@ def rank_epilogue() -> None:
     freeze the objects alive now out of the cyclic garbage collector. Interpreter exit still runs
     every atexit hook and tears every module down (a rank that raises, exits non-zero or hangs
     there still fails its launch); it skips only the final collection's walk over the million
-    objects torch and torch._dynamo leave, about a second of CPU per rank, eight ranks on two cores."""
+    objects torch and torch._dynamo leave, about a second of CPU per rank, eight ranks on two cores.
+    (A forked rank runs the atexit hooks in harness/run/prefork.py and ends without the teardown.)"""
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.freeze()
