@@ -3,7 +3,7 @@ and no survivors. Every verb launches through it: run (one launch per world size
 mutants pool (a persistent launch fed through a TCPStore) and bench.
 
 Every process of a launch carries `HARNESS_LAUNCH_ID=<uuid>` in its environment. On timeout the
-ranks (every process of the launch but torchrun itself) get SIGUSR1, on which the rank's faulthandler
+ranks (those that carry LOCAL_RANK, or forked ones, named harness-rank<N>) get SIGUSR1, on which the rank's faulthandler
 (harness/run/rank.py) dumps every thread's stack into that rank's log; then every process
 carrying the id is killed. The same scan runs after every launch, so no process outlives the run
 even if torchrun dies first (its ranks run in sessions of their own, so killing torchrun's group
@@ -114,9 +114,10 @@ class Launch:
         return True
 
     def dump_stacks(self) -> None:
-        """SIGUSR1 to every rank (the processes of the launch other than torchrun itself): each
-        writes every thread's stack into its log; then the time to write them."""
-        _signal_all([pid for pid in _processes_with(self.launch_id) if pid != self._proc.pid], signal.SIGUSR1)
+        """SIGUSR1 to every rank (the processes of the launch that carry LOCAL_RANK, or, forked,
+        are named harness-rank<N>): each writes every thread's stack into its log; then the time
+        to write them. torchrun and a fork server would die of it."""
+        _signal_all(_processes_with(self.launch_id, ranks_only=True), signal.SIGUSR1)
         time.sleep(STACK_DUMP_GRACE_S)
 
     def kill(self) -> None:
@@ -229,7 +230,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _processes_with(launch_id: str) -> list[int]:
+def _processes_with(launch_id: str, ranks_only: bool = False) -> list[int]:
+    """The processes carrying the launch's marker; with `ranks_only`, its ranks: those started by
+    torchrun's command line carry LOCAL_RANK, forked ones are named (harness/run/prefork.py)."""
     marker = f"{LAUNCH_ID_VAR}={launch_id}".encode()
     pids = []
     for entry in os.listdir("/proc"):
@@ -238,6 +241,10 @@ def _processes_with(launch_id: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read().split(b"\0")
+            if marker in env and ranks_only and not any(e.startswith(b"LOCAL_RANK=") for e in env):
+                with open(f"/proc/{entry}/comm") as f:
+                    if not f.read().startswith(lifeline.RANK_NAME_PREFIX):
+                        continue
         except OSError:
             continue  # gone, or not ours to read
         if marker in env:

@@ -23,6 +23,7 @@ import time
 PARENT_VAR = "HARNESS_PARENT"  # "<pid>:<start time>" of the harness process that owns a launch
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+RANK_NAME_PREFIX = "harness-rank"  # a rank's process name: harness-rank<N> (harness/run/rank.py)
 WATCH_INTERVAL_S = 0.5
 
 

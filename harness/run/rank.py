@@ -34,7 +34,7 @@ def rank_prologue(threads: int, backend: str = "gloo", device: str = "cpu",
     lifeline.die_with_launch()  # dies with torchrun and with the harness, SIGKILL included
     # A forked rank's command line and /proc environ are its launcher's ([Note: Forked ranks]):
     # its name says which rank it is.
-    lifeline.name_process(f"harness-rank{os.environ.get('RANK', '')}")
+    lifeline.name_process(f"{lifeline.RANK_NAME_PREFIX}{os.environ.get('RANK', '')}")
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(threads)
