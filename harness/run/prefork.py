@@ -71,7 +71,7 @@ def rank_main(module: str, argv: list[str], failure_grace_s: float = 0.0) -> Non
     # sharing a session ran the fuzzer 12% slower here (more CPU per example, all of it in gloo's
     # threads), presumably by how the scheduler groups the processes of a session.
     os.setsid()
-    # The launcher imported the module by its name; running it again as __main__ is what
+    # The fork server imported the module by its name; running it again as __main__ is what
     # `python -m` does too, without runpy's warning that it was imported first.
     warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
     sys.argv = [module, *argv]
