@@ -72,3 +72,14 @@ def test_every_verb_reads_one_judgement(result_type):
     assert make(violations=[late], error="rank 1 died").verdict is Verdict.ERROR
     assert math.isnan(make(violations=[late, nan]).max_ratio) and math.isnan(make(violations=[nan, late]).max_ratio)
     assert make(margins={"grad": 0.3, "param": 0.7}).max_ratio == 0.7
+
+
+def test_an_error_is_no_verdict_even_with_an_empty_message():
+    """One rule for every judged result (judge/result.py `verdict_of`): an error set, an empty
+    message included, is ERROR and never PASS; the baseline check restated it with `if error`, so
+    an empty message read as no error."""
+    from harness.ci.baseline import BaselineResult
+
+    assert Judgement(error="").verdict is Verdict.ERROR
+    assert BaselineResult("b.json", "mlp", error="").verdict is Verdict.ERROR
+    assert BaselineResult("b.json", "mlp").verdict is Verdict.PASS

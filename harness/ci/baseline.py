@@ -54,7 +54,7 @@ from harness.errors import PlanError
 from harness.run.plan import RunPlan
 from harness.run.snapshot import load_snapshot, snapshot_path, write_atomic_text
 from harness.judge.diff import StepBounds
-from harness.judge.result import Verdict
+from harness.judge.result import Verdict, verdict_of
 from harness.report.environment import BASELINE_KEY_FIELDS, baseline_key, plan_environment
 
 FORMAT = "fsdp-equiv-baseline/3"  # /2: the key gained cuda and gpu; /3: module buffers
@@ -286,7 +286,7 @@ class BaselineResult:
 
     @property
     def verdict(self) -> Verdict:
-        return Verdict.ERROR if self.error else (Verdict.FAIL if self.violations else Verdict.PASS)
+        return verdict_of(self.error, self.violations)
 
     @property
     def cell_id(self) -> str:

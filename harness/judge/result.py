@@ -118,6 +118,12 @@ def worst_verdict(*verdicts: Verdict) -> Verdict:
     return max(verdicts, key=SEVERITY.index, default=Verdict.PASS)
 
 
+def verdict_of(error: str | None, violations: list) -> Verdict:
+    """ERROR when no verdict could be reached (`error` set, an empty message too), else FAIL on
+    any violation, else PASS: the rule of every judged result (Judgement, the baseline check)."""
+    return Verdict.ERROR if error is not None else Verdict.FAIL if violations else Verdict.PASS
+
+
 def nan_max(a: float, b: float) -> float:
     """max that keeps a NaN (the built-in max keeps or drops it depending on the order)."""
     return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
@@ -142,7 +148,7 @@ class Judgement:
 
     @property
     def verdict(self) -> Verdict:
-        return Verdict.ERROR if self.error is not None else Verdict.FAIL if self.violations else Verdict.PASS
+        return verdict_of(self.error, self.violations)
 
     @property
     def first_divergence(self) -> Violation | None:
