@@ -3,8 +3,8 @@ and no survivors. Every verb launches through it: run (one launch per world size
 mutants pool (a persistent launch fed through a TCPStore) and bench.
 
 Every process of a launch carries `HARNESS_LAUNCH_ID=<uuid>` in its environment. On timeout the
-ranks (those that carry LOCAL_RANK, or forked ones, named harness-rank<N>) get SIGUSR1, on which the rank's faulthandler
-(harness/run/rank.py) dumps every thread's stack into that rank's log; then every process
+ranks (those that carry LOCAL_RANK, or forked ones, named harness-rank<N>) get SIGUSR1, on which
+the rank's faulthandler (harness/run/rank.py) dumps every thread's stack into its log; then every process
 carrying the id is killed. The same scan runs after every launch, so no process outlives the run
 even if torchrun dies first (its ranks run in sessions of their own, so killing torchrun's group
 alone is not enough). When the harness itself is killed, torchrun and the ranks end themselves
@@ -54,7 +54,7 @@ class TorchrunSpec:
     threads: int = 1  # intra-op threads per rank
     extra_pythonpath: tuple[str, ...] = ()  # directories of a user's --impls / --cases files
     extra_env: tuple[tuple[str, str], ...] = ()  # (name, value) set in the ranks' environment (bench)
-    # Ranks forked from one launcher that imported their module once ([Note: Forked ranks],
+    # Ranks forked from a fork server that imported their module once ([Note: Forked ranks],
     # harness/run/prefork.py) instead of started by torchrun's command line, each importing torch.
     prefork: bool = False
 

@@ -32,7 +32,7 @@ def rank_prologue(threads: int, backend: str = "gloo", device: str = "cpu",
                   collective_timeout_s: float | None = None) -> RankContext:
     """This rank's context in the world group, after the steps above."""
     lifeline.die_with_launch()  # dies with torchrun and with the harness, SIGKILL included
-    # A forked rank's command line and /proc environ are its launcher's ([Note: Forked ranks]):
+    # A forked rank's command line and /proc environ are its fork server's ([Note: Forked ranks]):
     # its name says which rank it is.
     lifeline.name_process(f"{lifeline.RANK_NAME_PREFIX}{os.environ.get('RANK', '')}")
     faulthandler.enable()
