@@ -8,6 +8,7 @@ same way (it had a launcher of its own that printed torchrun's tail and no rank'
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -99,8 +100,20 @@ def test_a_rank_that_raises_is_named_with_its_traceback_and_nothing_survives(tmp
 
 
 @START
-def test_a_hung_launch_times_out_with_every_ranks_stack_and_nothing_survives(tmp_path, prefork):
+def test_a_hung_launch_times_out_with_every_ranks_stack_and_nothing_survives(tmp_path, prefork, monkeypatch):
+    import harness.run.launch as launch_module
+
+    signalled = []  # (signal, the process's name) of every signal the launcher sends
+    send = launch_module._signal_all
+
+    def recording(pids, sig):
+        signalled.extend((sig, Path(f"/proc/{pid}/comm").read_text().strip()) for pid in pids)
+        send(pids, sig)
+
+    monkeypatch.setattr(launch_module, "_signal_all", recording)
     launch, result = _launch(tmp_path, "hang", HANG_TIMEOUT_S, _once_both_hang, prefork=prefork)
+    # The stack dump reaches the two ranks and nothing else (torchrun, a fork server die of it).
+    assert sorted(name for sig, name in signalled if sig == signal.SIGUSR1) == ["harness-rank0", "harness-rank1"]
     assert result.timed_out and result.returncode == 124
     text = result.failure_text()
     assert text.startswith("launch W=2 timed out after"), text

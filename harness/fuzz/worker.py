@@ -1,7 +1,7 @@
 """Inside every rank of the fuzzer's persistent pool: serve examples until told to stop.
 
 Run as `python -m harness.run.prefork ... -m harness.fuzz.worker CONFIG` (torchrun's arguments; the
-ranks forked from a launcher that imported this module: [Note: Forked ranks]). The config file names
+ranks forked from a fork server that imported this module: [Note: Forked ranks]). The config file names
 the orchestrator's TCPStore; request i is the key `req/<i>` (a torch.save of the spec as JSON,
 the faults and the reference initial state), and every rank answers under `rep/<i>/<rank>` with
 its own raw shards per step (no collective is spent on evidence: the orchestrator stacks the
