@@ -41,10 +41,16 @@ block's backward. Each iteration gathers into a fresh buffer, so views of earlie
 that an old graph still holds never count; anything else holding a view (a user's reference)
 only keeps the parameters longer.
 
+Whether a rank releases is its own answer, and ranks may differ: a reference one rank holds, or
+a collective's bookkeeping that lets go of the buffer later on one rank than on another. Nothing
+that communicates may depend on it. Whether the question was asked (`release_checked`) depends
+only on the graph, and that is what a recomputation below goes by.
+
 Activation checkpointing inside a unit recomputes in backward, and the tensors it saves are
 invisible until recomputed: every sub-module owning the unit's parameters gets a forward
 pre-hook that, inside backward, marks the unit as recomputing (no early release for the rest of
-this backward) and re-gathers if the parameters were already released. A unit whose module owns
+this backward) and re-gathers once a release was possible, on every rank, released or not (a
+rank that kept its parameters gathers the same values into the same storage). A unit whose module owns
 parameters itself (its own forward, which a checkpoint may recompute without hooks, reads them)
 never releases early. A parameter read outside its owner's forward inside a checkpointed region
 of the same unit, recomputed after a release, would find the storage empty and raise.
@@ -124,6 +130,7 @@ class FlatParamHandle:
         # forward hook re-gathers for a recomputation ([Note: Releasing unsharded parameters]).
         self.release_early = all(sub is not module for owners in slot_owners for sub, _ in owners)
         self.recomputing = False  # a recomputation ran in this backward: no early release
+        self.release_checked = False  # this backward asked whether to release (every rank alike)
         self._idle_refs: tuple[int, list[int]] | None = None  # reference counts with nothing saved
         self._refs_before_gather: int | None = None  # the fresh buffer's storage, before its gather
         self._owner_slots = [(module, attr, i) for i, owners in enumerate(slot_owners) for module, attr in owners]
@@ -341,9 +348,11 @@ class FlatParamHandle:
         self._num_views_done += 1
         if self._num_views_done == self._num_views_pending:
             self.finish_backward()
-        elif (self.release_early and not self.recomputing and self.state == HandleState.UNSHARDED
-              and not self._params_still_saved()):
-            self.reshard()  # no backward op left needs the unsharded parameters
+        elif self.release_early and not self.recomputing:
+            # Every rank gets here alike; whether it releases is its own count's answer.
+            self.release_checked = True
+            if self.state == HandleState.UNSHARDED and not self._params_still_saved():
+                self.reshard()  # no backward op left needs the unsharded parameters
 
     def finish_backward(self) -> None:
         """Reshard, then start reducing the padded gradient (unless accumulating without sync);
@@ -352,7 +361,7 @@ class FlatParamHandle:
         more, before the reduce-scatter allocates ([Note: Overlapped gradient reduction])."""
         self._views = []  # the next forward hands out fresh leaves
         self._num_views_pending = self._num_views_done = 0
-        self.recomputing = False
+        self.recomputing = self.release_checked = False
         self.reshard()
         if self.sync_grads and self.has_pending_unsharded_grad():
             self.reducer.wait()  # before packing: two padded gradients never live side by side

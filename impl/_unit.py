@@ -153,8 +153,12 @@ class FSDPUnit:
         if _in_backward():
             for handle in self.handles:
                 handle.recomputing = True  # its saved tensors are not all visible: hold on
-                if handle.state == HandleState.SHARDED:
-                    handle.unshard()
+                if handle.release_checked:
+                    # Another rank may have released where this one kept its parameters: gather
+                    # again on every rank alike, or the collectives fall out of step.
+                    handle.release_checked = False
+                    handle.reshard()
+                handle.unshard()
 
     # -- backward ----------------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:

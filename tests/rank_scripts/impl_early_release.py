@@ -7,13 +7,20 @@ and losses must be bitwise equal. A hook on the first block's output records, at
 first block's backward is about to run (the root's head and final norm are done, its embeddings
 not yet), how many bytes the root's unsharded buffer holds.
 
+In `one_rank_holds`, rank 0 keeps a tensor on the embeddings' storage through backward, so only
+rank 1 releases; the recomputation must still gather on both ranks alike. Collectives time out
+after COLLECTIVE_TIMEOUT, so ranks out of step fail the scenario rather than hang the launch.
+
 Planted faults (the test expects each to be caught):
   release_ignores_saved: the check for saved tensors always answers "nothing saved"
   no_regather_on_recompute: a recomputation inside backward does not re-gather
+  regather_where_released: a recomputation re-gathers only on ranks that released (they fall
+    out of step with a rank that kept its parameters)
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 import traceback
@@ -24,11 +31,13 @@ from torch.utils.checkpoint import checkpoint
 
 import impl
 from cases.models import TransformerConfig, TransformerLM, lm_loss
-from impl._handle import FlatParamHandle
-from impl._unit import FSDPUnit
+from impl._handle import FlatParamHandle, HandleState
+from impl._unit import FSDPUnit, _in_backward
 
 CFG = TransformerConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=18, tie_weights=True)
 STEPS = 3
+SCENARIOS = ("plain", "blocks_checkpointed", "embedding_recomputed", "head_recomputed", "one_rank_holds")
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
 
 
 class CheckpointedEmbeddingLM(TransformerLM):
@@ -54,8 +63,8 @@ class CheckpointedHeadLM(TransformerLM):
 
 def build(scenario: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    cls = {"embedding_recomputed": CheckpointedEmbeddingLM, "head_recomputed": CheckpointedHeadLM}.get(
-        scenario, TransformerLM)
+    cls = {"embedding_recomputed": CheckpointedEmbeddingLM, "head_recomputed": CheckpointedHeadLM,
+           "one_rank_holds": CheckpointedEmbeddingLM}.get(scenario, TransformerLM)
     model = cls(CFG)
     for block in model.blocks:
         if scenario == "blocks_checkpointed":
@@ -79,6 +88,9 @@ def train(scenario: str, release_early: bool, rank: int) -> dict:
         out.register_hook(record)
 
     model.blocks[0].register_forward_hook(hook_first_block_output)
+    held: list[torch.Tensor] = []  # rank 0's tensor on the root's buffer, one per step
+    if scenario == "one_rank_holds" and rank == 0:
+        model.blocks[0].register_forward_pre_hook(lambda m, a: held.append(model.pos_emb.weight.detach()))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], []
     for step in range(STEPS):
@@ -98,16 +110,24 @@ def plant(fault: str | None) -> None:
         FlatParamHandle._params_still_saved = lambda self: False
     elif fault == "no_regather_on_recompute":
         FSDPUnit.owner_pre_forward = lambda self, module, args: None
+    elif fault == "regather_where_released":
+        def owner_pre_forward(self, module, args):
+            if _in_backward():
+                for handle in self.handles:
+                    handle.recomputing = True
+                    if handle.state == HandleState.SHARDED:
+                        handle.unshard()
+        FSDPUnit.owner_pre_forward = owner_pre_forward
 
 
 def main() -> int:
     out_dir, fault = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     torch.set_num_threads(1)
     rank = dist.get_rank()
     plant(fault)
     results = {}
-    for scenario in ("plain", "blocks_checkpointed", "embedding_recomputed", "head_recomputed"):
+    for scenario in SCENARIOS:  # one_rank_holds last: ranks out of step end the process group
         try:
             early, late = train(scenario, True, rank), train(scenario, False, rank)
         except Exception as e:  # a planted fault: report the scenario, keep the ranks in step
