@@ -31,10 +31,11 @@ def pytest_addoption(parser):
 
 
 # -- progress and expected duration of each tier -------------------------------------------------
-# Measured with -n 2 on the project's 2-core VM (README "Measured figures"), rounded up. The slow
-# tests run for minutes between dots, so a line every PROGRESS_EVERY_S seconds says how far the
-# run is.
-EXPECTED_MINUTES = {"default": 5, "extended": 25, "all": 30}
+# Measured with -n 2 on the project's 2-core VM (README "Measured figures": 1:14 and 8:02 at
+# a533a65), rounded up. The slow tests run for minutes between dots, so a line every
+# PROGRESS_EVERY_S seconds says how far the run is. A command that names test files runs an
+# unknown share of a tier: it gets progress lines, no expectation.
+EXPECTED_MINUTES = {"default": 2, "extended": 10, "all": 12}
 PROGRESS_EVERY_S = 60.0
 
 
@@ -50,9 +51,10 @@ class _Progress:
         terminal = self.config.pluginmanager.get_plugin("terminalreporter")
         if terminal is not None:  # shown with -q too, unlike the report header
             tier = selected_tier(self.config)
-            terminal.write_line(f"tier {tier} ({TIER_TEXT[tier]}): expected about {EXPECTED_MINUTES[tier]} min with -n 2 "
-                                f"on a quiet 2-core machine, longer when it is shared (README: Measured figures); a "
-                                f"progress line every {PROGRESS_EVERY_S:.0f} s")
+            terminal.write_line(f"tier {tier} ({TIER_TEXT[tier]}): "
+                                + self.expected("expected about {} min with -n 2 on a quiet 2-core machine, longer "
+                                                "when it is shared (README: Measured figures); ")
+                                + f"a progress line every {PROGRESS_EVERY_S:.0f} s")
 
     def pytest_collection_finish(self, session) -> None:
         self.total = self.total or len(session.items)
@@ -71,8 +73,13 @@ class _Progress:
             minutes, seconds = divmod(int(now - self.start), 60)
             terminal = self.config.pluginmanager.get_plugin("terminalreporter")
             if terminal is not None:
-                terminal.write_line(f"[progress {minutes}m{seconds:02d}s] {self.done}/{self.total or '?'} tests done "
-                                    f"(expected about {EXPECTED_MINUTES[selected_tier(self.config)]} min in all)")
+                terminal.write_line(f"[progress {minutes}m{seconds:02d}s] {self.done}/{self.total or '?'} tests done"
+                                    + self.expected(" (expected about {} min in all)"))
+
+    def expected(self, text: str) -> str:
+        """`text` with the tier's expected minutes, or nothing where test files were named."""
+        named = self.config.getoption("--tier") is None and selected_tier(self.config) == "all"
+        return "" if named else text.format(EXPECTED_MINUTES[selected_tier(self.config)])
 
 
 def selected_tier(config) -> str:
