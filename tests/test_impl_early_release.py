@@ -6,29 +6,17 @@ See tests/rank_scripts/impl_early_release.py for the scenarios and the planted f
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun_script import run_rank_script
 
-SCRIPT = Path(__file__).parent / "rank_scripts" / "impl_early_release.py"
 SCENARIOS = ("plain", "blocks_checkpointed", "embedding_recomputed", "head_recomputed", "one_rank_holds")
 pytestmark = pytest.mark.slow
 
 
 def launch(out_dir: Path, fault: str | None = None) -> list[dict]:
-    # The checkout under test first: an editable install may point at another checkout.
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(SCRIPT), str(out_dir), *([fault] if fault else [])]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_rank_script("impl_early_release.py", 2, out_dir, *([fault] if fault else []))
 
 
 @pytest.fixture(scope="module")

@@ -5,33 +5,17 @@ One launch per world size runs every check (see tests/rank_scripts/impl_equivale
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from torchrun_script import run_rank_script
 
-SCRIPT = Path(__file__).parent / "rank_scripts" / "impl_equivalence.py"
 pytestmark = pytest.mark.slow
-
-
-def launch(world_size: int, out_dir: Path) -> list[dict]:
-    # The checkout under test first: an editable install may point at another checkout (or none).
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world_size}", str(SCRIPT), str(out_dir)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"W={world_size} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
 @pytest.fixture(scope="module", params=[2, 4, 8])
 def ranks(request, tmp_path_factory):
-    return launch(request.param, tmp_path_factory.mktemp(f"w{request.param}"))
+    return run_rank_script("impl_equivalence.py", request.param, tmp_path_factory.mktemp(f"w{request.param}"),
+                           timeout_s=600)
 
 
 def test_threads_pinned(ranks):

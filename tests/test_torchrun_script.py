@@ -1,0 +1,34 @@
+"""tests/torchrun_script.py: a hung rank script fails its test with every rank's stacks (slow tier)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from torchrun_script import run_rank_script
+
+pytestmark = pytest.mark.slow
+
+HUNG = textwrap.dedent("""
+    import sys, time
+    import torch.distributed as dist
+
+    def rank1_waits_forever():
+        time.sleep(3600)
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        rank1_waits_forever()
+    dist.barrier()
+""")
+
+
+def test_a_hung_launch_fails_with_the_ranks_stacks(tmp_path):
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG)
+    with pytest.raises(AssertionError) as failure:
+        run_rank_script(script, 2, tmp_path, timeout_s=15)
+    text = str(failure.value)
+    assert text.startswith("hung.py at W=2 still running after 15 s"), text
+    # faulthandler's dump of rank 1 (the sleeper) and of rank 0 (in the barrier)
+    assert "in rank1_waits_forever" in text and "in barrier" in text, text
