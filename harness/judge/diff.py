@@ -32,7 +32,8 @@ import torch
 from cases.catalog import Case, get_case
 from cases.features import DTYPES
 from harness.judge.layouts import first_bit_difference
-from harness.judge.result import CHECK_ORDER, Judgement, Violation, nan_max
+from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, GRAD_STATISTICS, RUN_UPDATE_STATISTICS,
+                                  UPDATE_STATISTICS, Judgement, Violation, nan_max)
 from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, sign_counts
 from harness.run.snapshot import digest
 from harness.judge.tolerance import (MAX_MEDIAN_RELATIVE_TOLERANCE, TRAJECTORY_FACTOR,
@@ -129,12 +130,15 @@ def _failing_violation(optimizer, step, check, name, size: torch.Size, layout, f
                      _coords(size, f.index), owner_of(layout, size, f.index), False, f.num_violating)
 
 
-def _bias_violation(optimizer, step, name, counts: SignCounts) -> Violation | None:
-    """The more tilted of a gradient's two sign-test counts as a Violation (ratio = |count - n/2| /
-    threshold, > 1: failed), or None when no element differs."""
+def _bias_violation(optimizer, step, name, counts: SignCounts,
+                    statistics: tuple[str, str] = GRAD_STATISTICS) -> Violation | None:
+    """The more tilted of a tensor's two sign-test counts as a Violation (ratio = |count - n/2| /
+    threshold, > 1: failed), or None when no element differs; `statistics` names the two counts
+    (result.BIAS_STATISTICS)."""
     worst = None
-    for statistic, count, n in (("upward", counts.upward, counts.num_differing),
-                                ("along_gradient", counts.along_gradient, counts.num_nonzero)):
+    upward, along = statistics
+    for statistic, count, n in ((upward, counts.upward, counts.num_differing),
+                                (along, counts.along, counts.num_nonzero)):
         if n:
             threshold = sign_test_threshold(n)
             tilt = abs(count - n / 2)
@@ -310,6 +314,9 @@ class StepBounds:
         self.reduction = reduction_model(case, world_size)
         self.u_param = unit_roundoff(torch.float32)  # master parameters and optimizer state
         self.opt_state = OptimizerErrorState(spec, self.u_param)
+        # From the first step whose clipping may have scaled the cell's gradients, by a coefficient
+        # of its own rounding common to every element, updates are not sign-tested ([Note: Update bias]).
+        self.clip_may_have_acted = False
 
     def step(self, step: int, shadow: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """({name: grad tol}, {name: param tol}) of every parameter with a gradient."""
@@ -337,6 +344,7 @@ class StepBounds:
         if features.clip_norm_type is not None:
             coef, dcoef = clip_coefficient_error({"": stepped}, {"": stepped_tol}, features.clip_max_norm,
                                                  features.clip_norm_type, u)
+            self.clip_may_have_acted |= coef < 1 or dcoef > 0
             stepped_tol = (coef + dcoef) * stepped_tol + dcoef * stepped.abs() + u * coef * stepped.abs()
             stepped = coef * stepped
         return seg, grad_tol, self._param_tol(step, shadow, names, seg, stepped, stepped_tol)
@@ -456,6 +464,34 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             out[s] = _nonfinite(kind, step, names[s], tensors[s], step_layouts.get(names[s]))
         return out
 
+    def tilt_of(step, name, counts, statistics) -> Violation | None:
+        """The bias check's violation of one count pair, or None; its margin folded in."""
+        tilt = _bias_violation(kind, step, name, counts, statistics)
+        stats["bias"].add(1, tilt.ratio if tilt else 0.0)
+        worst = step_worst.setdefault((step, "bias"), {})
+        if tilt and not tilt.ratio <= worst.get("margin", -1.0):
+            worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
+        return tilt if tilt and not tilt.ratio <= 1 else None
+
+    def update_bias(step, names, seg, params_flat, replayed, before, bias_viol, run_counts) -> SignCounts:
+        """The bias check of the step's update ([Note: Update bias]): per parameter (a tilt joins
+        that parameter's gradient tilt in `bias_viol`, the stronger kept) and over the run; returns
+        the run's counts with this step's first differences added."""
+        diff, update = params_flat - replayed, replayed - before
+        for s, (name, counts) in enumerate(zip(names, sign_counts(seg, diff, update, before))):
+            tilt = tilt_of(step, name, counts, UPDATE_STATISTICS)
+            if tilt and (bias_viol[s] is None or tilt.ratio > bias_viol[s].ratio):
+                bias_viol[s] = tilt
+        seen = seg.flat([differed.get(n, torch.zeros(size)) for n, size in zip(names, seg.sizes)]) != 0
+        first = sign_counts(seg, torch.where(seen, 0.0, diff), update, before)
+        for name, part, size in zip(names, seg.split(seen | (diff != 0)), seg.sizes):
+            differed[name] = part.view(size)
+        run_counts = sum(first, run_counts)
+        tilt = tilt_of(step, ALL_PARAMETERS, run_counts, RUN_UPDATE_STATISTICS)
+        if tilt:
+            viol.append(tilt)
+        return run_counts
+
     def same_shapes(check, step, names, actual, expected) -> Segments:
         for name, a, e in zip(names, actual, expected):
             if a.shape != e.shape:
@@ -485,6 +521,9 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             raise ValueError("the reference snapshot lacks its perturbed runs for every step (trajectory envelope)")
 
     traj: dict[str, list[DiffStats]] = {"loss": [], "grad": [], "param": []}
+    params_before = snap["init"]["params"]
+    differed: dict[str, torch.Tensor] = {}  # per parameter, the elements that differed from a replayed step
+    run_counts = SignCounts(0, 0, 0, 0)  # the run-level update counts, each element at its first difference
     for i, rec in enumerate(steps):
         step, shadow = rec["step"], rec["shadow"]
         step_layouts = rec.get("layouts", layouts)  # a resharding case changes them mid-run
@@ -568,17 +607,8 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                           [shadow["grads"][n] for n in grad_names])
         grad_viol = judge("grad", step, grad_names, seg, grads_flat, shadow_grads, grad_tol, step_layouts)
         stats["grad"].add_samples(seg, grad_tol, shadow_grads)
-        bias_viol = []
-        worst = step_worst.setdefault((step, "bias"), {})
-        for name, counts in zip(grad_names, sign_counts(seg, grads_flat - shadow_grads, shadow_grads)):
-            tilt = _bias_violation(kind, step, name, counts)
-            stats["bias"].add(1, tilt.ratio if tilt else 0.0)
-            if tilt and not tilt.ratio <= worst.get("margin", -1.0):
-                worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
-            if tilt and not tilt.ratio <= 1:
-                bias_viol.append(tilt)
-            else:
-                bias_viol.append(None)
+        bias_viol = [tilt_of(step, name, counts, GRAD_STATISTICS)
+                     for name, counts in zip(grad_names, sign_counts(seg, grads_flat - shadow_grads, shadow_grads))]
         # No gradient (frozen): no arithmetic touches the parameter, so it must match exactly.
         frozen = list(rec["params"].keys() - rec["grads"].keys())
         param_names = grad_names + frozen
@@ -592,9 +622,16 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                            torch.cat([param_tol, frozen_tol]), step_layouts)
         stats["param"].add_samples(segments({n: params[n] for n in grad_names}), param_tol,
                                    shadow_flat[:param_tol.numel()])
+        if not step_bounds.clip_may_have_acted:
+            grad_params = {n: params[n] for n in grad_names}
+            grad_seg = segments(grad_params)
+            run_counts = update_bias(step, grad_names, grad_seg, params_flat[:grad_seg.total],
+                                     shadow_flat[:grad_seg.total], grad_seg.flat([params_before[n] for n in grad_names]),
+                                     bias_viol, run_counts)
         for triple in zip(grad_viol, bias_viol, param_viol):
             viol.extend(v for v in triple if v)
         viol.extend(v for v in param_viol[len(grad_names):] if v)
+        params_before = rec["params"]
 
         # replicas: every rank's full tensors bitwise equal
         replicas = rec.get("replicas")

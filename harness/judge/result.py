@@ -24,7 +24,18 @@ JUDGED = ("grad", "param", "bias", "trajectory")  # the checks with a non-zero t
 BIAS_STATISTICS = {
     "upward": "differ upward (a shift)",
     "along_gradient": "differ in the direction of the gradient (a scale error, or a term added or dropped)",
+    # the parameters after a step against the replay's step from the same parameters
+    "update_upward": "differ upward from the replayed step (a shift of the update)",
+    "along_update": "differ from the replayed step in the direction of the update (a scale error of the step)",
+    # the same, over every parameter element at the first step it differs, from step 1 on
+    "run_update_upward": "(each at the first step it differs) differ upward from the replayed step",
+    "run_along_update": "(each at the first step it differs) differ from the replayed step in the direction of "
+                        "the update (a scale error of the steps)",
 }
+GRAD_STATISTICS = ("upward", "along_gradient")
+UPDATE_STATISTICS = ("update_upward", "along_update")
+RUN_UPDATE_STATISTICS = ("run_update_upward", "run_along_update")
+ALL_PARAMETERS = "<all parameters>"  # the name of the run-level update counts
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ reference on planted values (NaN, inf, -0.0, empty and frozen tensors).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from functools import cached_property
 
 import torch
@@ -145,28 +145,42 @@ def judge_segments(seg: Segments, actual: torch.Tensor, expected: torch.Tensor, 
 
 @dataclass(frozen=True)
 class SignCounts:
-    """One gradient's sign test counts (harness/judge/diff.py `_bias`): among its distinct exact
+    """One tensor's sign test counts (harness/judge/diff.py `_bias`): among its distinct exact
     values whose element differs, how many differ upward (of num_differing) and how many in the
-    direction of the gradient (of num_nonzero, the exact values that are not 0)."""
+    direction of the exact value (of num_nonzero, the exact values that are not 0): the gradient's
+    direction for a gradient, the update's for a parameter."""
 
     upward: int
     num_differing: int
-    along_gradient: int
+    along: int
     num_nonzero: int
 
+    def __add__(self, other: "SignCounts") -> "SignCounts":
+        return SignCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
-def sign_counts(seg: Segments, diff: torch.Tensor, expected: torch.Tensor) -> list[SignCounts]:
-    """Per segment, the sign test's counts of `diff` = actual - expected (flat float64). Elements
-    with one exact value are, as a rule, one computation repeated (a broadcast, duplicated rows):
-    their errors are one coin, so each value counts once per tensor (the first in a stable sort
-    by value); non-finite differences fail elsewhere."""
+
+def sign_counts(seg: Segments, diff: torch.Tensor, expected: torch.Tensor,
+                inputs: torch.Tensor | None = None) -> list[SignCounts]:
+    """Per segment, the sign test's counts of `diff` (flat float64) against the direction of
+    `expected`: for a gradient, diff = actual - exact mean and `expected` the mean; for an update,
+    diff = actual - replayed parameter and `expected` the replay's update. Elements with one exact
+    value (and one value of `inputs`, when given: the parameter before an update) are, as a rule,
+    one computation repeated (a broadcast, duplicated rows): their errors are one coin, so each
+    counts once per tensor (the first in a stable sort by value); non-finite differences fail
+    elsewhere."""
     keep = (diff != 0) & diff.isfinite()
     ids, diff, expected = seg.ids[keep], diff[keep], expected[keep]
-    by_value = expected.sort(stable=True).indices
-    order = by_value[ids[by_value].sort(stable=True).indices]  # by tensor, then value, then position
+    order = torch.arange(ids.numel())
+    keys = [expected] if inputs is None else [inputs[keep], expected]
+    for key in keys:  # least significant first: by tensor, then value (then input), then position
+        order = order[key[order].sort(stable=True).indices]
+    order = order[ids[order].sort(stable=True).indices]
     ids, diff, values = ids[order], diff[order], expected[order]
     first = torch.ones_like(values, dtype=torch.bool)
-    first[1:] = (values[1:] != values[:-1]) | (ids[1:] != ids[:-1])
+    first[1:] = (ids[1:] != ids[:-1]) | (values[1:] != values[:-1])
+    if inputs is not None:
+        sorted_inputs = inputs[keep][order]
+        first[1:] |= sorted_inputs[1:] != sorted_inputs[:-1]
     ids, diff, values = ids[first], diff[first], values[first]
     nonzero = values != 0
     up = diff > 0
