@@ -4,13 +4,14 @@ batched judge to return what this one returns; not used by the harness."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 
 import torch
 
 from cases.catalog import Case, get_case
 from harness.judge.diff import CheckStats, DiffStats, OptimizerResult, ReferenceDiverged, _coords, compare, flat, owner_of, precision_refusal, reduction_model
-from harness.judge.result import CHECK_ORDER, Violation
+from harness.judge.result import ALL_PARAMETERS, CHECK_ORDER, RUN_UPDATE_STATISTICS, UPDATE_STATISTICS, Violation
 from harness.judge.tolerance import (TRAJECTORY_FACTOR, OptimizerErrorState, ReductionModel, clip_coefficient_error,
                                      sign_test_threshold, unit_roundoff)
 
@@ -76,6 +77,33 @@ def _bias(optimizer, step, name, actual, expected) -> Violation | None:
     return worst
 
 
+def _update_counts(diff: torch.Tensor, update: torch.Tensor, before: torch.Tensor) -> dict[str, tuple[int, int]]:
+    """The sign counts of one parameter's differences from the replayed step, one element per
+    distinct (update, parameter before) pair: the first by update, then parameter, then position."""
+    diff, update, before = (t.double().reshape(-1).tolist() for t in (diff, update, before))
+    kept, last = [], None
+    for j in sorted(range(len(diff)), key=lambda j: (update[j], before[j], j)):
+        if diff[j] != 0 and math.isfinite(diff[j]) and (update[j], before[j]) != last:
+            kept.append(j)
+            last = (update[j], before[j])
+    along = [j for j in kept if update[j] != 0]
+    return {"upward": (sum(diff[j] > 0 for j in kept), len(kept)),
+            "along": (sum((diff[j] > 0) == (update[j] > 0) for j in along), len(along))}
+
+
+def _tilt(optimizer, step, name, counts: dict[str, tuple[int, int]], statistics: tuple[str, str]) -> Violation | None:
+    """The more tilted of two counts, named by `statistics`, as a Violation (None: no element differs)."""
+    worst = None
+    for statistic, (count, n) in zip(statistics, counts.values()):
+        if n:
+            threshold = sign_test_threshold(n)
+            tilt = abs(count - n / 2)
+            if worst is None or tilt / threshold > worst.ratio:
+                worst = Violation(optimizer, step, "bias", name, tilt / threshold, tilt, threshold, count / n, 0.5,
+                                  num_violating=n, statistic=statistic)
+    return worst
+
+
 def _nonfinite(optimizer, step, name, tensor, layout, rank=None) -> Violation | None:
     bad = ~torch.isfinite(tensor)
     if not bool(bad.any()):
@@ -103,6 +131,7 @@ class StepBounds:
         self.reduction = reduction_model(case, world_size)
         self.u_param = unit_roundoff(torch.float32)  # master parameters and optimizer state
         self.opt_state = OptimizerErrorState(spec, self.u_param)
+        self.clip_may_have_acted = False  # from then on no update is sign-tested
 
     def step(self, step: int, shadow: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         features, u = self.case.features, self.u_param
@@ -118,6 +147,7 @@ class StepBounds:
         if features.clip_norm_type is not None:
             coef, dcoef = clip_coefficient_error(stepped, stepped_tols, features.clip_max_norm,
                                                  features.clip_norm_type, u)
+            self.clip_may_have_acted = self.clip_may_have_acted or coef < 1 or dcoef > 0
             stepped_tols = {n: (coef + dcoef) * t + dcoef * stepped[n].abs() + u * coef * stepped[n].abs()
                             for n, t in stepped_tols.items()}
             stepped = {n: coef * g for n, g in stepped.items()}
@@ -186,6 +216,9 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             raise ValueError("the reference snapshot lacks its perturbed runs for every step (trajectory envelope)")
 
     traj: dict[str, list[DiffStats]] = {"loss": [], "grad": [], "param": []}
+    params_before = snap["init"]["params"]
+    differed: dict[str, torch.Tensor] = {}
+    run_counts = {"upward": (0, 0), "along": (0, 0)}
     for i, rec in enumerate(steps):
         step, shadow = rec["step"], rec["shadow"]
         step_layouts = rec.get("layouts", layouts)  # a resharding case changes them mid-run
@@ -257,6 +290,28 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         for name in rec["params"].keys() - rec["grads"].keys():
             # No gradient (frozen): no arithmetic touches the parameter, so it must match exactly.
             judge("param", step, name, rec["params"][name], shadow["params"][name], zero, step_layouts.get(name))
+
+        # bias of the updates: per parameter, then over the run with each element at its first difference
+        if not step_bounds.clip_may_have_acted:
+            def bias_of(name, counts, statistics):
+                tilt = _tilt(kind, step, name, counts, statistics)
+                stats["bias"].add(1, tilt.ratio if tilt else 0.0)
+                worst = step_worst.setdefault((step, "bias"), {})
+                if tilt and not tilt.ratio <= worst.get("margin", -1.0):
+                    worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
+                if tilt and not tilt.ratio <= 1:
+                    viol.append(tilt)
+
+            for name in rec["grads"]:
+                p, replayed, before = rec["params"][name].double(), shadow["params"][name].double(), params_before[name].double()
+                diff = p - replayed
+                bias_of(name, _update_counts(diff, replayed - before, before), UPDATE_STATISTICS)
+                seen = differed.get(name, torch.zeros(p.shape, dtype=torch.bool))
+                for key, (count, n) in _update_counts(torch.where(seen, 0.0, diff), replayed - before, before).items():
+                    run_counts[key] = (run_counts[key][0] + count, run_counts[key][1] + n)
+                differed[name] = seen | (diff != 0)
+            bias_of(ALL_PARAMETERS, run_counts, RUN_UPDATE_STATISTICS)
+        params_before = rec["params"]
 
         # replicas: every rank's full tensors bitwise equal
         replicas = rec.get("replicas")

@@ -121,29 +121,54 @@ class HangAtExitOnRank1(Ours):
 
 
 class DriftOneUlpPerStep(Ours):
-    """ours, except that every optimizer step also moves every non-zero parameter element one ulp
-    up. That stays within each step's tolerance (two ulps of the final rounding) and the next step
-    starts from the drifted parameters, so only the trajectory check can see it."""
+    """ours, except that every optimizer step also moves every non-zero parameter element one ulp,
+    each element always the same way (up or down by a coin drawn once per element). That stays
+    within each step's tolerance (two ulps of the final rounding), the signs of a step's
+    differences are fair coins (the bias check sees no tilt), and the next step starts from the
+    drifted parameters, so only the trajectory check can see it."""
 
     name = "drift_one_ulp_per_step"
 
     def make_optimizer(self, model, spec, features):
         optim = super().make_optimizer(model, spec, features)
+        directions: dict[int, torch.Tensor] = {}  # per local parameter: +inf or -inf per element
+        coins = torch.Generator().manual_seed(1000 + (dist.get_rank() if dist.is_initialized() else 0))
 
         def nudge(opt, args, kwargs):
             with torch.no_grad():
                 for group in opt.param_groups:
                     for p in group["params"]:
-                        up = torch.nextafter(p, torch.full_like(p, float("inf")))
-                        p.copy_(torch.where(p != 0, up, p))  # padding stays zero
+                        if id(p) not in directions:
+                            heads = torch.rand(p.shape, generator=coins) < 0.5
+                            directions[id(p)] = torch.where(heads, float("inf"), float("-inf")).to(p.dtype)
+                        moved = torch.nextafter(p, directions[id(p)])
+                        p.copy_(torch.where(p != 0, moved, p))  # padding stays zero
 
         optim.register_step_post_hook(nudge)
         return optim
 
 
+class ScaleStepOnLastRank(Ours):
+    """ours, except that the last rank scales its local gradient shards by (1 + 3e-7) inside the
+    optimizer step, after the gradients were taken as evidence: only the parameters carry it, and
+    each moves by 3e-7 of its update, a fraction of an ulp, so every per-element bound holds. Its
+    differences from the replayed step all point along the update: the bias check's update counts
+    see it."""
+
+    name = "scale_step_on_last_rank"
+
+    def optimizer_step(self, model, optim, features):
+        if dist.get_rank() == dist.get_world_size() - 1:
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(1 + 3e-7)
+        return super().optimizer_step(model, optim, features)
+
+
 def test_plugins_satisfy_the_adapter_protocol():
     for cls in (CorruptGatheredElement, RaiseOnRank1, HangOnRank1, RaiseInDestroyOnRank1, ExitNonZeroAtExitOnRank1,
-                HangAtExitOnRank1, DriftOneUlpPerStep):
+                HangAtExitOnRank1, DriftOneUlpPerStep, ScaleStepOnLastRank):
         assert isinstance(cls(), Adapter), cls
 
 

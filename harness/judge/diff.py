@@ -473,15 +473,14 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
         return tilt if tilt and not tilt.ratio <= 1 else None
 
-    def update_bias(step, names, seg, params_flat, replayed, before, bias_viol, run_counts) -> SignCounts:
-        """The bias check of the step's update ([Note: Update bias]): per parameter (a tilt joins
-        that parameter's gradient tilt in `bias_viol`, the stronger kept) and over the run; returns
-        the run's counts with this step's first differences added."""
+    def update_bias(step, names, seg, params_flat, replayed, before, run_counts) -> SignCounts:
+        """The bias check of the step's update ([Note: Update bias]), per parameter and over the
+        run; returns the run's counts with this step's first differences added."""
         diff, update = params_flat - replayed, replayed - before
-        for s, (name, counts) in enumerate(zip(names, sign_counts(seg, diff, update, before))):
+        for name, counts in zip(names, sign_counts(seg, diff, update, before)):
             tilt = tilt_of(step, name, counts, UPDATE_STATISTICS)
-            if tilt and (bias_viol[s] is None or tilt.ratio > bias_viol[s].ratio):
-                bias_viol[s] = tilt
+            if tilt:
+                viol.append(tilt)
         seen = seg.flat([differed.get(n, torch.zeros(size)) for n, size in zip(names, seg.sizes)]) != 0
         first = sign_counts(seg, torch.where(seen, 0.0, diff), update, before)
         for name, part, size in zip(names, seg.split(seen | (diff != 0)), seg.sizes):
@@ -622,15 +621,15 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                            torch.cat([param_tol, frozen_tol]), step_layouts)
         stats["param"].add_samples(segments({n: params[n] for n in grad_names}), param_tol,
                                    shadow_flat[:param_tol.numel()])
-        if not step_bounds.clip_may_have_acted:
-            grad_params = {n: params[n] for n in grad_names}
-            grad_seg = segments(grad_params)
-            run_counts = update_bias(step, grad_names, grad_seg, params_flat[:grad_seg.total],
-                                     shadow_flat[:grad_seg.total], grad_seg.flat([params_before[n] for n in grad_names]),
-                                     bias_viol, run_counts)
         for triple in zip(grad_viol, bias_viol, param_viol):
             viol.extend(v for v in triple if v)
         viol.extend(v for v in param_viol[len(grad_names):] if v)
+        # bias of the updates: the parameters' differences from the replayed step
+        if not step_bounds.clip_may_have_acted:
+            grad_seg = segments({n: params[n] for n in grad_names})
+            run_counts = update_bias(step, grad_names, grad_seg, params_flat[:grad_seg.total],
+                                     shadow_flat[:grad_seg.total], grad_seg.flat([params_before[n] for n in grad_names]),
+                                     run_counts)
         params_before = rec["params"]
 
         # replicas: every rank's full tensors bitwise equal
