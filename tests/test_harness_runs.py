@@ -292,6 +292,34 @@ def test_a_drift_every_step_hides_fails_on_the_trajectory_and_the_honest_twin_pa
         assert checks["param"]["margin"] <= 1.0, (opt, checks["param"])
 
 
+@pytest.mark.slow
+@pytest.mark.core
+def test_a_step_scaled_after_the_evidence_fails_the_update_bias_and_the_honest_twin_passes(tmp_path_factory):
+    """The last rank scales its gradients by (1 + 3e-7) inside the optimizer step, after they were
+    taken as evidence: every per-element check holds (a fraction of an ulp of each parameter), and
+    the signs of the parameters' differences from the replayed step all point along the update."""
+    run = _shared_run(tmp_path_factory, "scaled-step", [
+        "run", "--cases", "mlp,transformer", "--impls", f"ours,{PLUGINS}:ScaleStepOnLastRank", "--world-sizes", "2",
+        "--data", "identical,split"])
+    cells = _cells(run)
+    assert run["rc"] == 1, run["output"][-3000:]
+    for case in MATRIX_CASES:
+        for data in MATRIX_DATA:
+            honest = cells[f"{case}.ours.w2.{data}"]
+            assert honest["verdict"] == "pass", honest["first_divergence_text"] or honest["error"]
+            scaled = cells[f"{case}.scale_step_on_last_rank.w2.{data}"]
+            assert scaled["verdict"] == "fail", scaled["error"]
+            assert set(scaled["failed_checks"]) == {"bias"}, scaled["failed_checks"]
+            first = scaled["first_divergence"]
+            assert first["optimizer"] == "sgd" and first["statistic"] in ("along_update", "run_along_update"), first
+            assert "in the direction of the update" in scaled["first_divergence_text"], scaled["first_divergence_text"]
+            # AdamW divides the scale out (m / sqrt(v)): its parameters do not move with it, nor fail.
+            assert {v["optimizer"] for v in scaled["violations"]} == {"sgd"}, scaled["violations"]
+            for opt, checks in scaled["checks"].items():
+                assert checks["grad"]["margin"] <= 1.0 and checks["param"]["margin"] <= 1.0, (opt, checks)
+            _assert_judged(run, scaled, get_case(case).steps, padding=True)
+
+
 # -- every feature case at W = 2 and 4, ours and fsdp2, in one run (one launch per world size) -----
 
 FEATURE_WORLD_SIZES = (2, 4)
