@@ -194,6 +194,26 @@ def _nonfinite_segments(tensors: list[torch.Tensor]) -> list[int]:
 # are not), each rank through a 52-bit digest of its bytes (harness/run/snapshot.py `digest`).
 
 
+# [Note: Update bias]
+# The gradient evidence is what an implementation reports; the step it then takes is seen only in
+# the parameters. An error of the step below an ulp of each parameter (a scale of 1 + 3e-7 applied
+# to the gradients inside optimizer.step, on one rank) fits every per-element bound, yet moves
+# training. It does flip the rounding of some parameters, and every flip points the same way. So
+# the bias check also counts, per parameter and step, the signs of d = p_cell - p_replay (the
+# shadow's step from the cell's own parameters before it) against the replay's update
+# p_replay - p_before: upward, and along the update. Honest runs apply the same optimizer formula
+# to values that differ only by honest gradient (and state) errors, so d's sign is that of an
+# error which, under the hypothesis of the gradient test, is a fair coin, whatever the update's
+# direction. Elements with equal (update, parameter before) are one computation and count once.
+# One more count pools every parameter element over the run, each at the first step it differs
+# (an element's later differences share its state's carried error, so they are not new coins);
+# it is tested after every step, so a tilt too small for any one tensor accumulates until it shows.
+# Not tested from the first step at which clipping may have scaled the cell's gradients: its
+# coefficient is a scalar the cell rounds in its own order, a common factor of every update (and,
+# through momentum, of the updates after it), which tilts honest signs along the update.
+# docs/error_model.md, "Bias of the updates", derives it and gives the honest distribution.
+
+
 def _item(t: torch.Tensor, index: int) -> float:
     value = t.reshape(-1)[index].item() if t.numel() > index else float("nan")
     return float(value)
