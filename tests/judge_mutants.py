@@ -37,6 +37,8 @@ _PLANTED = "tests/test_harness_runs.py::test_planted_error_is_caught_by_its_chec
 _BUFFERS_SLOW = "tests/test_harness_runs.py::test_buffers_zeroed_at_wrap_fail_at_step_0_on_every_rank"
 _DRIFT = ("tests/test_harness_runs.py::"
           "test_a_drift_every_step_hides_fails_on_the_trajectory_and_the_honest_twin_passes")
+_SCALED_STEP = ("tests/test_harness_runs.py::"
+                "test_a_step_scaled_after_the_evidence_fails_the_update_bias_and_the_honest_twin_passes")
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,10 @@ MUTANTS = (
     Mutant("param_disabled", "parameter check never fails", "harness/judge/diff.py", _disable("param"),
            (_PLANTED.format("lost-master"),)),
     Mutant("bias_disabled", "sign test never fails", "harness/judge/diff.py",
-           (("if tilt and not tilt.ratio <= 1:", "if False:"),), (_PLANTED.format("scale-1e-7-split"),)),
+           (("return tilt if tilt and not tilt.ratio <= 1 else None", "return None"),),
+           (_PLANTED.format("scale-1e-7-split"),)),
+    Mutant("update_bias_disabled", "the updates' signs never counted (gradients' still are)", "harness/judge/diff.py",
+           (("        if not step_bounds.clip_may_have_acted:\n", "        if False:\n"),), (_SCALED_STEP,)),
     Mutant("replicas_disabled", "replica digests never compared", "harness/judge/diff.py",
            (("if len(set(column)) > 1:", "if False:"),), (_PLANTED.format("replica-drift"),)),
     Mutant("buffers_disabled", "rank 0's buffers never compared", "harness/judge/diff.py",
