@@ -402,8 +402,8 @@ def _run(out_dir: Path, sub: Path, impl: str, faults: list[str], descriptions: d
         f"{honest_margin:.3g} (an honest run stays below 1; the gradient bound's own worst case for an honest "
         f"reduction of K same-signed terms is (K-1)/(K+1) of it, 0.6 at K = 4: docs/error_model.md, "
         f"'How close an honest run comes').",
-        f"Honest bias margin (largest |count - n/2| / threshold of the sign counts of a gradient or an update, |z| / 7.5 for fair "
-        f"coins; fails above 1): {honest.ratio(('bias',)):.3g}.",
+        f"Honest bias margin (largest |count - n/2| / threshold of the sign counts of a gradient or an update, "
+        f"|z| / 7.5 for fair coins; fails above 1): {honest.ratio(('bias',)):.3g}.",
         *(["", f"Per real architecture (the gate battery's cells of each case, W={list(gate_world_sizes)}, identical+split): "
            f"every fault that can act on a case is caught on it: {'yes' if per_case_ok else 'NO'}.", "", per_case]
           if arch_cases else []),
