@@ -66,15 +66,7 @@ def _bias(optimizer, step, name, actual, expected) -> Violation | None:
     nonzero = expected != 0
     counts = {"upward": (int((diff > 0).sum()), diff.numel()),
               "along_gradient": (int(((diff > 0) == (expected > 0))[nonzero].sum()), int(nonzero.sum()))}
-    worst = None
-    for statistic, (count, n) in counts.items():
-        if n:
-            threshold = sign_test_threshold(n)
-            tilt = abs(count - n / 2)
-            if worst is None or tilt / threshold > worst.ratio:
-                worst = Violation(optimizer, step, "bias", name, tilt / threshold, tilt, threshold, count / n, 0.5,
-                                  num_violating=n, statistic=statistic)
-    return worst
+    return _tilt(optimizer, step, name, counts, tuple(counts))
 
 
 def _update_counts(diff: torch.Tensor, update: torch.Tensor, before: torch.Tensor) -> dict[str, tuple[int, int]]:
