@@ -208,6 +208,15 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             raise ValueError("the reference snapshot lacks its perturbed runs for every step (trajectory envelope)")
 
     traj: dict[str, list[DiffStats]] = {"loss": [], "grad": [], "param": []}
+    def record_tilt(step, name, tilt):
+        """A sign test's outcome: its margin folded in, its violation kept when it failed."""
+        stats["bias"].add(1, tilt.ratio if tilt else 0.0)
+        worst = step_worst.setdefault((step, "bias"), {})
+        if tilt and not tilt.ratio <= worst.get("margin", -1.0):
+            worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
+        if tilt and not tilt.ratio <= 1:
+            viol.append(tilt)
+
     params_before = snap["init"]["params"]
     differed: dict[str, torch.Tensor] = {}
     run_counts = {"upward": (0, 0), "along": (0, 0)}
@@ -270,13 +279,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         for name, g in rec["grads"].items():
             judge("grad", step, name, g, shadow["grads"][name], grad_tols[name], step_layouts.get(name),
                   value=shadow["grads"][name])
-            tilt = _bias(kind, step, name, g, shadow["grads"][name])
-            stats["bias"].add(1, tilt.ratio if tilt else 0.0)
-            worst = step_worst.setdefault((step, "bias"), {})
-            if tilt and not tilt.ratio <= worst.get("margin", -1.0):
-                worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
-            if tilt and not tilt.ratio <= 1:
-                viol.append(tilt)
+            record_tilt(step, name, _bias(kind, step, name, g, shadow["grads"][name]))
             p_ref = shadow["params"][name]
             judge("param", step, name, rec["params"][name], p_ref, param_tols[name], step_layouts.get(name), value=p_ref)
         for name in rec["params"].keys() - rec["grads"].keys():
@@ -286,13 +289,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         # bias of the updates: per parameter, then over the run with each element at its first difference
         if not step_bounds.clip_may_have_acted:
             def bias_of(name, counts, statistics):
-                tilt = _tilt(kind, step, name, counts, statistics)
-                stats["bias"].add(1, tilt.ratio if tilt else 0.0)
-                worst = step_worst.setdefault((step, "bias"), {})
-                if tilt and not tilt.ratio <= worst.get("margin", -1.0):
-                    worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
-                if tilt and not tilt.ratio <= 1:
-                    viol.append(tilt)
+                record_tilt(step, name, _tilt(kind, step, name, counts, statistics))
 
             for name in rec["grads"]:
                 p, replayed, before = rec["params"][name].double(), shadow["params"][name].double(), params_before[name].double()
