@@ -50,9 +50,9 @@ Activation checkpointing inside a unit recomputes in backward, and the tensors i
 invisible until recomputed: every sub-module owning the unit's parameters gets a forward
 pre-hook that, inside backward, marks the unit as recomputing (no early release for the rest of
 this backward) and re-gathers once a release was possible, on every rank, released or not (a
-rank that kept its parameters gathers the same values into the same storage). A unit whose module owns
-parameters itself (its own forward, which a checkpoint may recompute without hooks, reads them)
-never releases early. A parameter read outside its owner's forward inside a checkpointed region
+rank that kept its parameters gathers the same values into the same storage). A unit whose
+module owns parameters itself (its own forward, which a checkpoint may recompute without hooks,
+reads them) never releases early. A parameter read outside its owner's forward inside a checkpointed region
 of the same unit, recomputed after a release, would find the storage empty and raise.
 
 When a unit reshards after forward, the buffer's storage is resized to zero; the pre-backward hook
