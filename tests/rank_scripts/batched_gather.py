@@ -6,7 +6,6 @@ awkward dim-0 sizes (fewer rows than ranks, W * k - 1, W * k + 1), a 1-D mesh an
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from harness.adapters.base import full_tensors
+from harness.run.rank import rank_prologue
 
 
 def model(world: int) -> nn.Module:
@@ -27,8 +27,7 @@ def model(world: int) -> nn.Module:
 
 
 def main(out: Path) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    rank_prologue(threads=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     meshes = {"1d": init_device_mesh("cpu", (world,))}
     if world % 2 == 0 and world > 2:

@@ -9,7 +9,7 @@ not yet), how many bytes the root's unsharded buffer holds.
 
 In `one_rank_holds`, rank 0 keeps a tensor on the embeddings' storage through backward, so only
 rank 1 releases; the recomputation must still gather on both ranks alike. Collectives time out
-after COLLECTIVE_TIMEOUT, so ranks out of step fail the scenario rather than hang the launch.
+after COLLECTIVE_TIMEOUT_S, so ranks out of step fail the scenario rather than hang the launch.
 
 Planted faults (the test expects each to be caught):
   release_ignores_saved: the check for saved tensors always answers "nothing saved"
@@ -20,7 +20,6 @@ Planted faults (the test expects each to be caught):
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 import traceback
@@ -33,11 +32,12 @@ import impl
 from cases.models import TransformerConfig, TransformerLM, lm_loss
 from impl._handle import FlatParamHandle, HandleState
 from impl._unit import FSDPUnit, _in_backward
+from harness.run.rank import rank_prologue
 
 CFG = TransformerConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=18, tie_weights=True)
 STEPS = 3
 SCENARIOS = ("plain", "blocks_checkpointed", "embedding_recomputed", "head_recomputed", "one_rank_holds")
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
+COLLECTIVE_TIMEOUT_S = 30
 
 
 class CheckpointedEmbeddingLM(TransformerLM):
@@ -122,8 +122,7 @@ def plant(fault: str | None) -> None:
 
 def main() -> int:
     out_dir, fault = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
-    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    torch.set_num_threads(1)
+    rank_prologue(threads=1, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     rank = dist.get_rank()
     plant(fault)
     results = {}

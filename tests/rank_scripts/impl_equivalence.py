@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from cases.models import MLP, TransformerConfig, TransformerLM, lm_loss
 from impl import full_state_dict, fully_shard, local_shards
+from harness.run.rank import rank_prologue
 
 STEPS = 5
 
@@ -170,7 +171,7 @@ def full_gathers(world_size: int) -> dict:
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    rank_prologue(threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     results = []
     for kind in ("mlp", "transformer"):
@@ -186,5 +187,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     sys.exit(main())

@@ -26,6 +26,7 @@ import impl
 import impl._unit
 from cases.models import TransformerConfig, TransformerLM, lm_loss
 from impl._handle import GradReducer
+from harness.run.rank import rank_prologue
 
 CFG = TransformerConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=18, tie_weights=True)
 STEPS = 3
@@ -86,8 +87,7 @@ def train(overlap: bool, rank: int) -> dict:
 
 def main() -> int:
     out_dir, fault = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+    rank_prologue(threads=1)
     rank = dist.get_rank()
     if fault == "no_implicit_prefetch":
         chosen_only = impl._unit._prefetch
