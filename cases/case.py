@@ -10,6 +10,7 @@ harness decides how to run it.
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -207,6 +208,8 @@ class Case:
         sample along dim 0 (cases/data.py: how inputs reach the model, how a batch is split).
     loss_fn: (outputs, targets) -> a floating scalar, the mean over the batch's samples.
     optimizers: OptimizerSpec per optimizer kind; each trains the case separately.
+    requires: import names of the optional packages build_model needs ('transformers'): code that
+        only inspects a case answers "unknown without <package>" instead of building it.
     """
 
     name: str
@@ -225,6 +228,7 @@ class Case:
     features: Features = PLAIN  # the FSDP features the cell turns on (cases/features.py)
     # Data modes the case refuses, each with the reason a user is told (the plan exits 2 with it).
     refused_modes: tuple[tuple[str, str], ...] = ()
+    requires: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or not self.name.replace("_", "").isalnum():
@@ -281,6 +285,10 @@ class Case:
                 features.zero1 or features.checkpoint_reshard_at):
             raise ValueError(f"case={self.name}: param_groups and lr_scheduler are not mapped onto ZeRO-1 or "
                              f"checkpoint resharding; use them in a case without those features")
+
+    def missing_requirements(self) -> tuple[str, ...]:
+        """The packages of `requires` this environment cannot import."""
+        return tuple(r for r in self.requires if importlib.util.find_spec(r) is None)
 
     def wrap_paths(self, model: nn.Module) -> tuple[str, ...]:
         """The sub-module paths of `model` wrapped before the root, in wrapping order."""

@@ -149,7 +149,7 @@ CASES.update({case.name: case for case in _FEATURE_CASES})
 def _hf_case(name: str, description: str, build) -> Case:
     return Case(name=name, description=description, build_model=build, wrap=arch.decoder_blocks,
                 make_batch=arch.causal_lm_batch, loss_fn=arch.causal_lm_loss, optimizers=_STANDARD_OPTIMIZERS,
-                tags=("architecture",))
+                tags=("architecture",), requires=("transformers",))
 
 
 _BATCHNORM_SPLIT = (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.judge.result import Violation
-from harness.ci.mutants import HONEST, Evidence, MutantRow, case_table, corpus, table
+from harness.ci.mutants import HONEST, Evidence, MutantRow, case_table, corpus, fault_cannot_act, table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,9 +86,28 @@ def test_the_per_case_table_counts_a_fault_that_cannot_act_as_not_applicable():
         Evidence("gate llama.ours.w2.split.no_grad_average", margins={"grad": 0.1})])
     text, ok = case_table([caught], ("gpt2", "llama"))
     assert "| no_grad_average | yes: grad 50 (2/2 cells) | NO (0/1 cells) |" in text and not ok, text
-    tied = MutantRow("tied_param_duplicated", "a bug", [Evidence("gate llama.ours.w2.split.tied_param_duplicated")])
-    text, ok = case_table([tied], ("llama",))
+    tied = MutantRow("tied_param_duplicated", "a bug", [Evidence("gate mlp.ours.w2.split.tied_param_duplicated")])
+    text, ok = case_table([tied], ("mlp",))
     assert "n/a: needs a parameter with two names" in text and ok, text
+
+
+def test_a_fault_on_a_case_whose_package_is_missing_is_unknown_not_an_import_error(monkeypatch):
+    """Inspecting a Hugging Face case without the models extra answers instead of raising (the
+    README's test command installs no transformers; this raised ImportError there)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert fault_cannot_act("tied_param_duplicated", "llama") == "unknown without transformers"
+    assert fault_cannot_act("buffers_zeroed_at_wrap", "gpt2") == "unknown without transformers"
+    assert fault_cannot_act("no_grad_average", "llama") is None  # needs no build
+    assert fault_cannot_act("replica_grad_drift", "llama") == "n/a: needs replicated shards (HSDP or NO_SHARD)"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the models extra")
+def test_tied_parameters_are_read_off_the_built_hugging_face_models():
+    assert fault_cannot_act("tied_param_duplicated", "gpt2") is None
+    assert fault_cannot_act("tied_param_duplicated", "llama") == "n/a: needs a parameter with two names (tied weights)"
 
 
 @pytest.mark.slow

@@ -61,7 +61,10 @@ FAULT_NEEDS = {
 
 
 def fault_cannot_act(fault: str, case_name: str) -> str | None:
-    """Why `fault` cannot act on a catalog case (the feature it needs and the case lacks), or None."""
+    """Why `fault` cannot act on a catalog case (the feature it needs and the case lacks), or None.
+
+    Answering may build the case's model (tied parameters, buffers); where the case needs a package
+    this environment lacks, the answer is "unknown without <package>" rather than an ImportError."""
     from cases.catalog import get_case
 
     need = FAULT_NEEDS.get(fault)
@@ -69,18 +72,19 @@ def fault_cannot_act(fault: str, case_name: str) -> str | None:
         return None
     case = get_case(case_name)
     features = case.features
-    has = {
-        "grad_accum_overwrite": features.grad_accum > 1,
-        "master_lost_to_param_dtype": features.mixed_precision,
-        "replica_grad_drift": features.mesh != "shard",
-        "tied_param_duplicated": _has_tied_parameter(case),
-        "buffers_zeroed_at_wrap": any(True for _ in case.build_model().buffers()),
-    }[fault]
-    return None if has else f"n/a: needs {need}"
+    flags = {
+        "grad_accum_overwrite": lambda: features.grad_accum > 1,
+        "master_lost_to_param_dtype": lambda: features.mixed_precision,
+        "replica_grad_drift": lambda: features.mesh != "shard",
+        "tied_param_duplicated": lambda: _has_tied_parameter(case.build_model()),
+        "buffers_zeroed_at_wrap": lambda: any(True for _ in case.build_model().buffers()),
+    }
+    if fault in ("tied_param_duplicated", "buffers_zeroed_at_wrap") and case.missing_requirements():
+        return f"unknown without {', '.join(case.missing_requirements())}"
+    return None if flags[fault]() else f"n/a: needs {need}"
 
 
-def _has_tied_parameter(case) -> bool:
-    model = case.build_model()
+def _has_tied_parameter(model) -> bool:
     return len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.named_parameters()))
 
 
