@@ -145,11 +145,11 @@ _FEATURE_CASES = (
 CASES.update({case.name: case for case in _FEATURE_CASES})
 
 
-# -- real architectures (cases/architectures.py; needs the `models` extra) -------------------------
-def _hf_case(name: str, description: str, build) -> Case:
-    return Case(name=name, description=description, build_model=build, wrap=arch.decoder_blocks,
-                make_batch=arch.causal_lm_batch, loss_fn=arch.causal_lm_loss, optimizers=_STANDARD_OPTIMIZERS,
-                tags=("architecture",), requires=("transformers",))
+# -- real architectures (cases/architectures.py; the Hugging Face ones need the `models` extra) -
+def _hf_case(name: str, description: str, build, wrap=arch.decoder_blocks, make_batch=arch.causal_lm_batch,
+             loss_fn=arch.causal_lm_loss) -> Case:
+    return Case(name=name, description=description, build_model=build, wrap=wrap, make_batch=make_batch,
+                loss_fn=loss_fn, optimizers=_STANDARD_OPTIMIZERS, tags=("architecture",), requires=("transformers",))
 
 
 _BATCHNORM_SPLIT = (
@@ -163,6 +163,22 @@ _ARCHITECTURE_CASES = (
              "SwiGLU, 2 decoder layers wrapped", arch.llama),
     _hf_case("moe", "Hugging Face Mixtral: a router sends each token to 2 of 4 experts (some experts get "
              "no token of a rank's batch), 2 decoder layers wrapped", arch.mixtral),
+    _hf_case("qwen2", "Hugging Face Qwen2: grouped-query attention (6 heads, 2 KV heads) with q/k/v biases, "
+             "RoPE, token embedding tied to the output head, 2 decoder layers wrapped", arch.qwen2),
+    _hf_case("t5", "Hugging Face T5 encoder-decoder: relative position bias passed from the first block on, "
+             "cross attention, one embedding shared by encoder, decoder and head, the model's own loss from "
+             "labels; 2 encoder and 2 decoder blocks wrapped", arch.t5, wrap=arch.layer_blocks,
+             make_batch=arch.t5_batch, loss_fn=arch.model_loss),
+    _hf_case("bert", "Hugging Face BERT sequence classifier on padded samples (attention mask, 4 to 16 of 16 "
+             "tokens), a per-sample mean loss; 2 layers wrapped", arch.bert, wrap=arch.layer_blocks,
+             make_batch=arch.padded_classification_batch, loss_fn=arch.classification_loss),
+    _hf_case("vit", "Hugging Face ViT image classifier: 4x4 patches of 8x8 images, a class token, learned "
+             "positions; 2 layers wrapped", arch.vit, wrap=arch.layer_blocks,
+             make_batch=arch.image_classification_batch, loss_fn=arch.classification_loss),
+    Case(name="unused_head", description="an auxiliary head in each wrapped unit and a root vector that the "
+         "loss never reaches: parameters without gradients beside ones with", build_model=arch.UnusedHeadNet,
+         wrap=("blocks.0", "blocks.1"), make_batch=regression_batch(13, 3), loss_fn=F.mse_loss,
+         optimizers=_STANDARD_OPTIMIZERS, tags=("architecture",)),
     Case(name="batchnorm", description="ConvNet with BatchNorm2d (batch statistics, running buffers); "
          "identical data only: " + _BATCHNORM_SPLIT.split(", so")[0], build_model=arch.SmallConvNet,
          wrap=("block1", "block2"), make_batch=image_batch(3, 6, 5), loss_fn=F.cross_entropy,

@@ -62,6 +62,25 @@ def image_batch(channels: int, size: int, classes: int) -> Callable[[int, int, i
     return make
 
 
+def padded_sequence_batch(vocab_size: int, block_size: int, min_length: int,
+                          classes: int) -> Callable[[int, int, int], Batch]:
+    """Token windows padded at the end, with class labels: inputs {'input_ids': (B, T),
+    'attention_mask': (B, T)} and labels (B,). Each sample keeps between `min_length` and T tokens
+    (ids 1 .. vocab_size - 1), the rest are id 0 with mask 0."""
+    if not 1 <= min_length <= block_size:
+        raise ValueError(f"padded_sequence_batch min_length={min_length} must be in [1, block_size={block_size}]")
+
+    def make(seed: int, step: int, global_batch: int) -> Batch:
+        g = _generator(seed, step)
+        input_ids = torch.randint(1, vocab_size, (global_batch, block_size), generator=g)
+        lengths = torch.randint(min_length, block_size + 1, (global_batch,), generator=g)
+        attention_mask = (torch.arange(block_size)[None, :] < lengths[:, None]).long()  # (B, T)
+        labels = torch.randint(0, classes, (global_batch,), generator=g)
+        return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask}, labels
+
+    return make
+
+
 def batch_size(batch: Batch) -> int:
     """The number of samples: dim 0 of every tensor of the batch, which must agree."""
     sizes = {t.size(0) if t.dim() else None for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)}
