@@ -124,6 +124,8 @@ class StepBounds:
         self.u_param = unit_roundoff(torch.float32)  # master parameters and optimizer state
         self.opt_state = OptimizerErrorState(spec, self.u_param)
         self.clip_may_have_acted = False  # from then on no update is sign-tested
+        self.reduction_tols: dict[str, torch.Tensor] = {}  # the last step's grad bounds without reordering
+        self.reordered_from: dict | None = None  # from then on no sign is tested
 
     def step(self, step: int, shadow: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         features, u = self.case.features, self.u_param
@@ -134,6 +136,9 @@ class StepBounds:
             reduction = self.reduction if terms == self.reduction.num_terms else \
                 ReductionModel(terms, self.reduction.u, self.reduction.casts)
             grad_tols[name] = reduction.grad_bound(shadow["abs_grads"][name])
+            if shadow.get("reorder"):  # the reordered local backward's allowance, one per tensor
+                self.reduction_tols[name] = grad_tols[name]
+                grad_tols[name] = grad_tols[name] + shadow["reorder"][name].double()
             stepped[name] = exact.float().double()  # what the shadow's optimizer stepped with
             stepped_tols[name] = grad_tols[name] + (stepped[name] - exact.double()).abs()
         if features.clip_norm_type is not None:
@@ -275,11 +280,25 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         missing = shadow["grads"].keys() ^ rec["grads"].keys()
         if missing:
             raise ValueError(f"step {step}: gradients of {sorted(missing)[:4]} are in only one of cell and replay")
+        step_bounds.reduction_tols = {}
         grad_tols, param_tols = step_bounds.step(step, shadow)
+        if step_bounds.reordered_from is None and step_bounds.reduction_tols:
+            diffs = {n: (g.double() - shadow["grads"][n].double()).abs() for n, g in rec["grads"].items()}
+            if all(bool((d <= grad_tols[n]).all()) for n, d in diffs.items()):
+                beyond = {}
+                for n, d in diffs.items():  # the first tensor wins ties, as the flat argmax does
+                    r = d / step_bounds.reduction_tols[n]
+                    r = torch.where(torch.isnan(r) | (r <= 1), 0.0, r)
+                    if r.numel() and float(r.max()) > 0 and float(r.max()) > max(beyond.values(), default=0.0):
+                        beyond[n] = float(r.max())
+                if beyond:
+                    name = max(beyond, key=beyond.get)
+                    step_bounds.reordered_from = {"step": step, "name": name, "ratio": beyond[name]}
         for name, g in rec["grads"].items():
             judge("grad", step, name, g, shadow["grads"][name], grad_tols[name], step_layouts.get(name),
                   value=shadow["grads"][name])
-            record_tilt(step, name, _bias(kind, step, name, g, shadow["grads"][name]))
+            if step_bounds.reordered_from is None:
+                record_tilt(step, name, _bias(kind, step, name, g, shadow["grads"][name]))
             p_ref = shadow["params"][name]
             judge("param", step, name, rec["params"][name], p_ref, param_tols[name], step_layouts.get(name), value=p_ref)
         for name in rec["params"].keys() - rec["grads"].keys():
@@ -287,7 +306,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             judge("param", step, name, rec["params"][name], shadow["params"][name], zero, step_layouts.get(name))
 
         # bias of the updates: per parameter, then over the run with each element at its first difference
-        if not step_bounds.clip_may_have_acted:
+        if not step_bounds.clip_may_have_acted and step_bounds.reordered_from is None:
             def bias_of(name, counts, statistics):
                 record_tilt(step, name, _tilt(kind, step, name, counts, statistics))
 
@@ -371,6 +390,8 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                           for (step, check), worst in sorted(step_worst.items(), key=lambda kv: kv[0]) if worst]
     result.checks = {c: s.summary() for c, s in stats.items()}
     result.margins = {c: s.max_ratio for c, s in stats.items()}
+    if step_bounds.reordered_from is not None:
+        result.checks["bias"]["not_applied_from"] = step_bounds.reordered_from
     result.error = precision_refusal(result.checks["grad"], reduction)
     return result
 

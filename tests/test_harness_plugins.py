@@ -166,9 +166,55 @@ class ScaleStepOnLastRank(Ours):
         return super().optimizer_step(model, optim, features)
 
 
+class _PassThrough(torch.autograd.Function):
+    """An identity on a module input, as FSDP2 and DeepSpeed put on theirs: the input's gradient
+    contributions from inside the module are summed before they join the others (a reordering).
+    `scale` != 1 multiplies the module's contribution instead: not a reordering."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.scale == 1 else grad * ctx.scale), None
+
+
+class _InputsThroughIdentity(Ours):
+    scale = 1.0
+
+    def wrap(self, model, wrap_paths, ctx):
+        wrapped = super().wrap(model, wrap_paths, ctx)
+        for path in wrap_paths:
+            def through(module, args, kwargs):
+                def one(x):
+                    return _PassThrough.apply(x, self.scale) if isinstance(x, torch.Tensor) and x.requires_grad else x
+                return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+            model.get_submodule(path).register_forward_pre_hook(through, with_kwargs=True)
+        return wrapped
+
+
+class IdentityOnUnitInputs(_InputsThroughIdentity):
+    """ours with an identity autograd function on every wrapped unit's tensor inputs: an honest
+    reordering of the backward's accumulation ([Note: Reordered accumulation])."""
+
+    name = "identity_on_unit_inputs"
+
+
+class DoubleUnitInputGradient(_InputsThroughIdentity):
+    """The same identity, whose backward doubles the units' contribution to their inputs' gradient:
+    one contribution counted twice, not a reordering; must fail."""
+
+    name = "double_unit_input_gradient"
+    scale = 2.0
+
+
 def test_plugins_satisfy_the_adapter_protocol():
     for cls in (CorruptGatheredElement, RaiseOnRank1, HangOnRank1, RaiseInDestroyOnRank1, ExitNonZeroAtExitOnRank1,
-                HangAtExitOnRank1, DriftOneUlpPerStep, ScaleStepOnLastRank):
+                HangAtExitOnRank1, DriftOneUlpPerStep, ScaleStepOnLastRank, IdentityOnUnitInputs,
+                DoubleUnitInputGradient):
         assert isinstance(cls(), Adapter), cls
 
 

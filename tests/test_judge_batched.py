@@ -154,6 +154,7 @@ def test_an_empty_parameter_is_judged_the_same(evidence):
             group["empty"] = empty.clone()
         rec["shadow"]["num_terms"]["empty"] = next(iter(rec["shadow"]["num_terms"].values()))
         rec["shadow"]["hyper"]["empty"] = next(iter(rec["shadow"]["hyper"].values()))
+        rec["shadow"]["reorder"]["empty"] = torch.zeros((), dtype=torch.float64)
     _same(snap, init, None)
     _same(snap, init, ref)  # the trajectory's envelope of an empty tensor raises, as it did
     first = next(iter(snap["steps"][0]["grads"]))
@@ -181,3 +182,22 @@ def test_segments_pick_the_first_maximum_and_nan_first():
         part = slice(seg.offsets[s], seg.offsets[s + 1])
         alone = judge_segments(Segments([size]), actual[part], expected[part], tol[part])[0]
         assert repr(batched[s]) == repr(alone)
+
+
+@pytest.mark.parametrize("scale", (0.0, 0.5, 2.0))
+def test_a_reordered_local_backward_is_judged_the_same(evidence, scale):
+    """Every gradient off the exact mean by `scale` x a reordering allowance planted on the replay:
+    inside it (0.5: the bias check stops, named in the checks), beyond it (2.0: the grad check fails
+    and the bias check stays on), or nowhere (0.0)."""
+    snap, ref, init = evidence
+    snap = copy.deepcopy(snap)
+    for rec in snap["steps"]:
+        for name, g in rec["grads"].items():
+            allowance = 1e-4 * g.abs().max().double()
+            rec["shadow"]["reorder"][name] = allowance
+            g.add_((scale * allowance).float())
+    _same(snap, init, ref)
+    result = check_snapshot(copy.deepcopy(snap), {n: init[n] for n in snap["init"]["params"]}, ref)
+    off = result.checks["bias"].get("not_applied_from")
+    assert (off is not None) == (scale == 0.5), off
+    assert bool(result.violations) == (scale == 2.0), result.violations[:1]

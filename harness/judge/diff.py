@@ -337,6 +337,11 @@ class StepBounds:
         # From the first step whose clipping may have scaled the cell's gradients, by a coefficient
         # of its own rounding common to every element, updates are not sign-tested ([Note: Update bias]).
         self.clip_may_have_acted = False
+        # The last step's gradient bounds without the reordering allowance (flat, in shadow["grads"] order), and
+        # the first step whose gradients needed it ([Note: Reordered accumulation]): from then on the
+        # sign counts' independence does not hold and the bias check is not applied.
+        self.reduction_tol: torch.Tensor | None = None
+        self.reordered_from: dict | None = None
 
     def step(self, step: int, shadow: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """({name: grad tol}, {name: param tol}) of every parameter with a gradient."""
@@ -358,6 +363,11 @@ class StepBounds:
         else:  # a tied parameter's gradient sums more terms (one per use): its own bound
             grad_tol = seg.flat([ReductionModel(t, self.reduction.u, self.reduction.casts).grad_bound(a)
                                  for t, a in zip(terms, abs_grads)])
+        reorder = shadow.get("reorder")
+        self.reduction_tol = None
+        if reorder:  # a reordered local backward ([Note: Reordered accumulation], harness/judge/shadow.py)
+            self.reduction_tol = grad_tol
+            grad_tol = grad_tol + seg.flat([reorder[n].double().expand(size) for n, size in zip(names, seg.sizes)])
         exact = seg.flat([shadow["grads"][n] for n in names])
         stepped = exact.float().double()  # what the shadow's optimizer stepped with
         stepped_tol = grad_tol + (stepped - exact).abs()
@@ -619,15 +629,24 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         if missing:
             raise ValueError(f"step {step}: gradients of {sorted(missing)[:4]} are in only one of cell and replay")
         tol_seg, grad_tol, param_tol = step_bounds.step_flat(step, shadow)
+        reduction_tol = step_bounds.reduction_tol
         if grad_names != list(shadow["grads"]):  # the tolerances and the shadow's flat follow its order
             grad_tol, param_tol, shadow_grads = (_reordered(tol_seg, list(shadow["grads"]), t, grad_names)
                                                  for t in (grad_tol, param_tol, shadow_grads))
+            if reduction_tol is not None:
+                reduction_tol = _reordered(tol_seg, list(shadow["grads"]), reduction_tol, grad_names)
         seg = same_shapes("grad", step, grad_names, list(rec["grads"].values()),
                           [shadow["grads"][n] for n in grad_names])
         grad_viol = judge("grad", step, grad_names, seg, grads_flat, shadow_grads, grad_tol, step_layouts)
         stats["grad"].add_samples(seg, grad_tol, shadow_grads)
-        bias_viol = [tilt_of(step, name, counts, GRAD_STATISTICS)
-                     for name, counts in zip(grad_names, sign_counts(seg, grads_flat - shadow_grads, shadow_grads))]
+        if step_bounds.reordered_from is None and reduction_tol is not None:
+            step_bounds.reordered_from = _local_reordering(step, grad_names, seg, grads_flat, shadow_grads,
+                                                           reduction_tol, grad_tol)
+        if step_bounds.reordered_from is None:
+            bias_viol = [tilt_of(step, name, counts, GRAD_STATISTICS)
+                         for name, counts in zip(grad_names, sign_counts(seg, grads_flat - shadow_grads, shadow_grads))]
+        else:
+            bias_viol = [None] * len(grad_names)
         # No gradient (frozen): no arithmetic touches the parameter, so it must match exactly.
         frozen = list(rec["params"].keys() - rec["grads"].keys())
         param_names = grad_names + frozen
@@ -645,7 +664,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             viol.extend(v for v in triple if v)
         viol.extend(v for v in param_viol[len(grad_names):] if v)
         # bias of the updates: the parameters' differences from the replayed step
-        if not step_bounds.clip_may_have_acted:
+        if not step_bounds.clip_may_have_acted and step_bounds.reordered_from is None:
             grad_seg = segments({n: params[n] for n in grad_names})
             run_counts = update_bias(step, grad_names, grad_seg, params_flat[:grad_seg.total],
                                      shadow_flat[:grad_seg.total], grad_seg.flat([params_before[n] for n in grad_names]),
@@ -710,8 +729,27 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                           for (step, check), worst in sorted(step_worst.items(), key=lambda kv: kv[0]) if worst]
     result.checks = {c: s.summary() for c, s in stats.items()}
     result.margins = {c: s.max_ratio for c, s in stats.items()}
+    if step_bounds.reordered_from is not None:
+        result.checks["bias"]["not_applied_from"] = step_bounds.reordered_from
     result.error = precision_refusal(result.checks["grad"], reduction)
     return result
+
+
+def _local_reordering(step: int, names: list[str], seg: Segments, actual: torch.Tensor, expected: torch.Tensor,
+                      reduction_tol: torch.Tensor, tol: torch.Tensor) -> dict | None:
+    """Where the cell's gradients leave the reduction bound and stay within the reordering
+    allowance (its local backward summed contributions in another order than the plain model's),
+    the tensor that leaves the reduction bound most, or None. Where they leave the allowance too,
+    the grad check fails and the bias check stays applied. A NaN is left to the nonfinite check."""
+    diff = (actual - expected).abs()
+    if not bool((diff <= tol).all()):
+        return None
+    ratio = diff / reduction_tol
+    ratio = torch.where(torch.isnan(ratio) | (ratio <= 1), 0.0, ratio)
+    if not bool((ratio > 0).any()):
+        return None
+    at = int(ratio.argmax())
+    return {"step": step, "name": names[int(seg.ids[at])], "ratio": float(ratio[at])}
 
 
 def _reordered(seg: Segments, names: list[str], flat_tensor: torch.Tensor, order: list[str]) -> torch.Tensor:

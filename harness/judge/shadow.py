@@ -25,7 +25,7 @@ from cases.case import GROUP_HYPERPARAMETERS, Case, OptimizerSpec
 from cases.data import Batch, batch_size, call_model, local_batch, map_tensors, micro_batches
 from cases.features import DTYPES
 from harness.adapters.features import CastCompute, floating_output
-from harness.judge.tolerance import ReductionModel, unit_roundoff
+from harness.judge.tolerance import REORDER_FACTOR, ReductionModel, unit_roundoff
 
 
 def forward_backward(model: nn.Module, loss_fn, inputs, targets, num_micro: int,
@@ -64,6 +64,69 @@ def _local_loss(model: nn.Module, loss_fn, inputs, targets) -> torch.Tensor:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"loss_fn returned {shape}, not a scalar tensor (the mean over the local batch)")
     return loss
+
+
+# [Note: Reordered accumulation]
+# An honest implementation may sum the gradient contributions of a tensor with several consumers
+# in another order than the plain model's autograd does: FSDP2 and DeepSpeed put identity autograd
+# functions or hooks on module inputs, so x -> (q, k, v, residual) is summed as (q + k + v) + r
+# instead of ((r + q) + k) + v; recomputation does the same. Such a sum of k contributions differs
+# by at most gamma_{k-1} sum |c_i| from any other order, and the difference travels through the
+# rest of the backward to the parameter gradients, where it can dwarf a parameter gradient that is
+# itself a small result of cancellation. No closed form bounds that propagation for an arbitrary
+# model, so the replay measures it: it runs the same local backward again (REORDER_DRAWS times on
+# the graph of one forward) with every contribution into a tensor of k >= 2 consumers multiplied
+# by 1 + (k - 1) u r, r ~ U(-1, 1) per element, and the deviation of the resulting gradients from
+# the clean replay is this model's sensitivity to a reordering (docs/error_model.md, "Reordered
+# accumulation"). A tensor with one consumer has nothing to reorder and is left alone.
+REORDER_DRAWS = 2
+
+
+def _accumulating_edges(loss: torch.Tensor) -> dict:
+    """{node: [(index of its output gradient, k) ...]}: every backward node's output that is one of
+    k >= 2 contributions summed into the same input of the graph (found by walking the graph of
+    `loss` once and counting the edges into each (node, input))."""
+    consumers: dict[tuple, int] = {}
+    edges: list[tuple] = []  # (node, i, key)
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for i, (nxt, nr) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            key = (nxt, nr)
+            consumers[key] = consumers.get(key, 0) + 1
+            edges.append((node, i, key))
+            stack.append(nxt)
+    out: dict = {}
+    for node, i, key in edges:
+        if consumers[key] >= 2:
+            out.setdefault(node, []).append((i, consumers[key]))
+    return out
+
+
+def _jitter_hooks(loss: torch.Tensor, u: float, state: dict) -> list:
+    """Register the perturbing hooks of [Note: Reordered accumulation] on the graph of `loss`; they
+    act only while state["generator"] is set. Returns the handles."""
+    handles = []
+    for node, outputs in _accumulating_edges(loss).items():
+        def hook(grad_inputs, grad_outputs, outputs=outputs):
+            generator = state.get("generator")
+            if generator is None:
+                return None
+            new = list(grad_inputs)
+            for i, k in outputs:
+                g = new[i]
+                if g is None or not g.is_floating_point():
+                    continue
+                r = torch.rand(g.shape, generator=generator, dtype=torch.float32).to(g.device) * 2 - 1
+                new[i] = (g.float() * (1 + (k - 1) * u * r)).to(g.dtype)
+            return tuple(new)
+        handles.append(node.register_hook(hook))
+    return handles
 
 
 def load_nonpersistent_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
@@ -107,32 +170,40 @@ class Shadow:
         self.clip = (features.clip_max_norm, features.clip_norm_type) if features.clip_norm_type else None
         self.num_micro = features.grad_accum if num_micro is None else num_micro
         self.device = device
+        self._reorder_seed = 0  # the step's seed of the reordered replays (reproducible verdicts)
 
-    def _terms(self, batch: Batch, data_mode: str, world_size: int, num_micro: int):
-        """Every rank's local loss, and the float64 sum and absolute sum of the local gradient
-        terms (one per rank and micro-batch)."""
+    def _terms(self, batch: Batch, data_mode: str, world_size: int, num_micro: int, reorder: bool = True):
+        """Every rank's local loss, the float64 sum and absolute sum of the local gradient terms (one
+        per rank and micro-batch), and the largest deviation of the reordered replays from that sum
+        ([Note: Reordered accumulation]; empty when `reorder` is off); sums divided by W under split."""
         ranks = range(1) if data_mode == "identical" else range(world_size)
         grad_sum: dict[str, torch.Tensor] = {}
         abs_sum: dict[str, torch.Tensor] = {}
         uses = self._untie()
 
-        def harvest(_: int) -> None:
-            for name, leaves in uses.items():
-                for leaf in leaves:
-                    if leaf.grad is None:
-                        continue
-                    g = leaf.grad.detach().double()
-                    if name in grad_sum:
-                        grad_sum[name] += g
-                        abs_sum[name] += g.abs()
-                    else:
-                        grad_sum[name], abs_sum[name] = g.clone(), g.abs()
-                    leaf.grad = None
+        def harvest_into(sums: dict, absolute: dict | None):
+            def harvest(_: int) -> None:
+                for name, leaves in uses.items():
+                    for leaf in leaves:
+                        if leaf.grad is None:
+                            continue
+                        g = leaf.grad.detach().double()
+                        if name in sums:
+                            sums[name] += g
+                            if absolute is not None:
+                                absolute[name] += g.abs()
+                        else:
+                            sums[name] = g.clone()
+                            if absolute is not None:
+                                absolute[name] = g.abs()
+                        leaf.grad = None
+            return harvest
 
         losses = []
+        draws: list[dict[str, torch.Tensor]] = [{} for _ in range(REORDER_DRAWS if reorder else 0)]
         # Each rank's forward starts from the buffers as they were before the step (a rank updates
         # its own running statistics); rank 0's are what the model holds afterwards.
-        before = {n: b.detach().clone() for n, b in self.buffers.items()} if len(ranks) > 1 else {}
+        before = {n: b.detach().clone() for n, b in self.buffers.items()} if len(ranks) > 1 or draws else {}
         after_rank0: dict[str, torch.Tensor] = {}
         try:
             for rank in ranks:
@@ -143,18 +214,48 @@ class Shadow:
                     for leaf in leaves:
                         leaf.grad = None
                 losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
-                                               after_micro=harvest))
+                                               after_micro=harvest_into(grad_sum, abs_sum)))
                 if rank == 0 and before:
                     after_rank0 = {n: b.detach().clone() for n, b in self.buffers.items()}
+                if draws:
+                    self._set_buffers(before)  # the reordered replays' forward is the same forward
+                    self._reordered(inputs, targets, num_micro, draws, uses, harvest_into, rank)
         finally:
             self._retie()
         if after_rank0:
             self._set_buffers(after_rank0)
+        deviation = {}
+        for name, exact in grad_sum.items():
+            devs = [(d[name] - exact).abs() for d in draws if name in d]
+            if devs:
+                deviation[name] = torch.stack(devs).amax(0)
         if data_mode == "identical":
             # Every rank computed this same local term: their mean is it, sum |term| / W is |it|.
-            return torch.stack(losses * world_size), grad_sum, abs_sum
+            return torch.stack(losses * world_size), grad_sum, abs_sum, deviation
         return (torch.stack(losses), {n: s / world_size for n, s in grad_sum.items()},
-                {n: s / world_size for n, s in abs_sum.items()})
+                {n: s / world_size for n, s in abs_sum.items()}, {n: d / world_size for n, d in deviation.items()})
+
+    def _reordered(self, inputs, targets, num_micro: int, draws: list[dict], uses, harvest_into, rank: int) -> None:
+        """Add to each of `draws` this rank's local gradient terms under perturbed accumulation
+        ([Note: Reordered accumulation]): one forward per micro-batch, one backward per draw."""
+        u = unit_roundoff(self.case.features.compute_dtype)
+        state: dict = {}
+        chunks = [(inputs, targets)] if num_micro == 1 else list(micro_batches((inputs, targets), num_micro))
+        for i, (x, y) in enumerate(chunks):
+            loss = _local_loss(self.model, self.case.loss_fn, x, y)
+            if num_micro > 1:
+                loss = loss / num_micro
+            handles = _jitter_hooks(loss, u, state)
+            try:
+                for d, sums in enumerate(draws):
+                    state["generator"] = torch.Generator().manual_seed(
+                        (self._reorder_seed * 1_000_003 + rank * 1009 + i * 31 + d) % (2 ** 63))
+                    loss.backward(retain_graph=d < len(draws) - 1)
+                    harvest_into(sums, None)(i)
+            finally:
+                state.clear()
+                for h in handles:
+                    h.remove()
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -202,10 +303,11 @@ class Shadow:
                 p.copy_(params_before[name])
         if buffers_before is not None:
             self._set_buffers(buffers_before)
-        losses, grads, abs_grads = self._terms(batch, data_mode, world_size, self.num_micro)
+        self._reorder_seed += 1
+        losses, grads, abs_grads, reordered = self._terms(batch, data_mode, world_size, self.num_micro)
         buffers = {n: b.detach().cpu().clone() for n, b in self.buffers.items()}
         if perturb is not None:
-            self._perturb(grads, batch, perturb)
+            self._perturb(grads, batch, perturb, reordered)
             self._set_buffers(buffers)  # the per-sample passes moved them
         for name, p in self.params.items():
             p.grad = grads[name].to(p.dtype) if name in grads else None
@@ -220,6 +322,9 @@ class Shadow:
             "grads": {n: g.cpu() for n, g in grads.items()},
             "abs_grads": {n: a.cpu() for n, a in abs_grads.items()},
             "num_terms": {n: k for n, k in self.num_terms(world_size).items() if n in grads},
+            # Per gradient tensor, the allowance for a reordered accumulation of the local backward.
+            "reorder": {n: REORDER_FACTOR * d.amax().cpu() if d.numel() else torch.zeros((), dtype=torch.float64)
+                        for n, d in reordered.items()},
             "params": {n: p.detach().cpu().clone() for n, p in self.params.items()},
             "buffers": buffers,
             "hyper": hyper,
@@ -236,14 +341,15 @@ class Shadow:
         return {name: {k: group_of[id(p)][k] for k in GROUP_HYPERPARAMETERS if k in group_of[id(p)]}
                 for name, p in self.params.items()}
 
-    def _perturb(self, grads: dict[str, torch.Tensor], batch: Batch, generator: torch.Generator) -> None:
+    def _perturb(self, grads: dict[str, torch.Tensor], batch: Batch, generator: torch.Generator,
+                 reordered: dict[str, torch.Tensor]) -> None:
         """Add noise of the size of the largest honest reduction error of any split of this batch
         (every sample its own term, K = B, bounds every W x M split), plus the measured difference
         between this whole-batch gradient and the mean of the per-sample ones: the local computation
         on another batch size (docs/error_model.md, "Trajectories")."""
         num_samples = batch_size(batch)
         if "split" in self.case.data_modes:
-            _, per_sample_mean, per_sample_abs = self._terms(batch, "split", num_samples, 1)
+            _, per_sample_mean, per_sample_abs, _ = self._terms(batch, "split", num_samples, 1, reorder=False)
         else:
             # Identical data only (a model coupling its samples, as BatchNorm does, where a sample
             # alone is no term of the batch's gradient): every rank computes the whole batch, so
@@ -262,6 +368,6 @@ class Shadow:
             # (an attention key bias, whose exact gradient is zero) this difference dwarfs the
             # reduction bound of the per-sample terms.
             local_shape = (g - per_sample_mean[name]).abs()
-            amplitude = model.grad_bound(per_sample_abs[name]) + local_shape
+            amplitude = model.grad_bound(per_sample_abs[name]) + local_shape + reordered.get(name, 0)
             noise = torch.rand(g.shape, generator=generator, dtype=torch.float64) * 2 - 1
             grads[name] = g + noise * amplitude.cpu().to(g.device)

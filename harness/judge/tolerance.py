@@ -42,6 +42,10 @@ from cases.catalog import OptimizerSpec
 # A cell's free-running trajectory may deviate from the reference by at most this many times the
 # largest deviation of the perturbed reference runs (docs/error_model.md, "Trajectories").
 TRAJECTORY_FACTOR = 4.0
+# A gradient tensor may differ from the replay's by at most this many times the largest deviation
+# of the reordered replays of its local backward ([Note: Reordered accumulation] in
+# harness/judge/shadow.py; docs/error_model.md, "Reordered accumulation").
+REORDER_FACTOR = 4.0
 # Ulps of the final rounding of an updated parameter an honest run may differ by. The rigorous
 # bound of two roundings, 2 u |p|, is one ulp, and an honest run reaches it exactly (the last
 # rounding of p - lr * update flips for a gradient difference far below an ulp); allowing two

@@ -64,6 +64,14 @@ class CellResult:
         return DiffStats.merge(stats) if stats else None
 
     @property
+    def bias_not_applied(self) -> dict | None:
+        """The first step (with the tensor and why) from which the bias check was not applied, over
+        its optimizers ([Note: Reordered accumulation]), or None."""
+        found = [r.checks.get("bias", {}).get("not_applied_from") for r in self.optimizers.values()]
+        found = [f for f in found if f]
+        return min(found, key=lambda f: f["step"]) if found else None
+
+    @property
     def margins(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for r in self.optimizers.values():

@@ -89,7 +89,19 @@ def cell_row(r: CellResult) -> dict:
         "bitwise_equal": traj.bitwise_equal if traj else None,
         **{f"margin_{check}": margins.get(check) for check in CHECK_ORDER},
         "first_divergence": first.describe(r.cell.cell_id) if first else None,
+        "bias_not_applied": bias_note(r),
     }
+
+
+def bias_note(r: CellResult) -> str | None:
+    """Why the bias check stopped being applied in this cell, in one line, or None."""
+    off = r.bias_not_applied
+    if off is None:
+        return None
+    return (f"bias check off from step {off['step']}: the local backward accumulated gradients in another order "
+            f"than the plain model ('{off['name']}' at {off['ratio']:.3g} x the reduction bound, within the "
+            f"reordering allowance), so its rounding errors are correlated across elements and the sign counts "
+            f"do not apply (docs/error_model.md, 'Reordered accumulation')")
 
 
 def step_rows(r: CellResult) -> list[dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.judge.result import JUDGED, Verdict
-from harness.report.build import Report, fmt_value, cell_row, error_model_rows, first_check
+from harness.report.build import Report, bias_note, fmt_value, cell_row, error_model_rows, first_check
 from harness.report.view import case_views, cell_label, margin_text, skipped_groups, verdict_counts
 from harness.judge.tolerance import TRAJECTORY_FACTOR
 
@@ -21,7 +21,9 @@ def _verdict_rows(report: Report) -> list[dict]:
         row = cell_row(r)
         rows.append({"case": row["case"], "impl": row["impl"], "W": row["world_size"], "data": row["data"],
                      "verdict": row["verdict"], "first check": first_check(r) or "-",
-                     **{f"margin {c}": margin_text(row[f"margin_{c}"]) for c in JUDGED},
+                     **{f"margin {c}": (f"off from step {r.bias_not_applied['step']}"
+                                         if c == "bias" and r.bias_not_applied else margin_text(row[f"margin_{c}"]))
+                        for c in JUDGED},
                      "exact checks": "fail" if any(v.check not in JUDGED for v in r.violations) else
                                      ("pass" if r.optimizers else "n/a"),
                      "bitwise = reference": row["bitwise_equal"] if row["bitwise_equal"] is not None else "n/a",
@@ -48,6 +50,11 @@ def render_markdown(report: Report) -> str:
            "per-rank loss, replicas, padding) have tolerance 0. `bitwise = reference`: the free-running cell "
            "equals the reference run (impl=single, W = 1) bit for bit at every step.\n",
            "## Verdicts\n", _md_table(_verdict_rows(report)) + "\n"]
+    notes = [(r.cell.cell_id, bias_note(r)) for r in report.cells if r.bias_not_applied]
+    if notes:
+        out.append("Checks not applied:\n")
+        out.extend(f"- {cell_id}: {note}" for cell_id, note in notes)
+        out.append("")
     failing = [r for r in report.cells if r.verdict == Verdict.FAIL]
     out.append("## First divergences\n")
     if failing:
