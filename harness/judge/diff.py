@@ -214,6 +214,25 @@ def _nonfinite_segments(tensors: list[torch.Tensor]) -> list[int]:
 # docs/error_model.md, "Bias of the updates", derives it and gives the honest distribution.
 
 
+# [Note: Parameters without a gradient]
+# A parameter that no loss term reaches (a head the loss ignores, a branch not taken this step, an
+# expert no token chose) has no gradient in the plain model: p.grad is None, and torch's optimizers
+# skip it (no weight decay, no moment update, AdamW's step count stays). The replay records only
+# the gradients the plain model has, over every rank's local batch (one rank's is enough: the mean
+# over the global batch has a term from it). So, per step and parameter:
+# - the replay has none: the cell may leave it out of its gradients or report it as exactly zero
+#   (a flat-parameter implementation materialises zeros); both are "no gradient". Any element that
+#   is not zero (a NaN included) fails the grad check against 0 with tolerance 0;
+# - the replay has one and the cell does not: the implementation lost it, a grad violation
+#   (`lost_gradient`) naming the parameter;
+# - the parameter check then holds every parameter the cell judged without a gradient to the
+#   replay's step exactly, which is the parameter before the step when the plain model had none:
+#   an implementation whose optimizer moves it (a zero gradient, decayed) fails naming it.
+# Which parameters have gradients may change from step to step; the error model's optimizer state
+# follows each parameter's own step count (StepBounds._param_tol). A name that is no parameter of the
+# plain model is an adapter error, raised where the evidence is picked (harness/run/rank.py).
+
+
 def _item(t: torch.Tensor, index: int) -> float:
     value = t.reshape(-1)[index].item() if t.numel() > index else float("nan")
     return float(value)
@@ -361,7 +380,7 @@ class StepBounds:
         if all(t == self.reduction.num_terms for t in terms):
             grad_tol = self.reduction.grad_bound(seg.flat(abs_grads))
         else:  # a tied parameter's gradient sums more terms (one per use): its own bound
-            grad_tol = seg.flat([ReductionModel(t, self.reduction.u, self.reduction.casts).grad_bound(a)
+            grad_tol = seg.flat([ReductionModel(t, self.reduction.u, self.reduction.casts, self.reduction.eta).grad_bound(a)
                                  for t, a in zip(terms, abs_grads)])
         reorder = shadow.get("reorder")
         self.reduction_tol = None
@@ -380,9 +399,15 @@ class StepBounds:
         return seg, grad_tol, self._param_tol(step, shadow, names, seg, stepped, stepped_tol)
 
     def _param_tol(self, step, shadow, names, seg, stepped, stepped_tol) -> torch.Tensor:
-        groups: dict[str, list[int]] = {}  # the parameters stepped with equal hyperparameters
+        def own_step(name: str) -> int:
+            """The parameter's own step count (AdamW's "step"), which falls behind the run's on steps it
+            had no gradient ([Note: Parameters without a gradient]); the run's step without one."""
+            count = shadow["state"].get(name, {}).get("step")
+            return step if count is None else int(count)
+
+        groups: dict[str, list[int]] = {}  # the parameters stepped with equal hyperparameters and step counts
         for s, name in enumerate(names):
-            groups.setdefault(repr(sorted(shadow["hyper"][name].items())), []).append(s)
+            groups.setdefault(repr((sorted(shadow["hyper"][name].items()), own_step(name))), []).append(s)
         stepped_parts, tol_parts = seg.split(stepped), seg.split(stepped_tol)
         out: list[torch.Tensor | None] = [None] * len(names)
         for members in groups.values():
@@ -398,13 +423,14 @@ class StepBounds:
                     size = seg.sizes[s]
                     if name in self.opt_state.bounds:  # carried as 1-D pieces of a group
                         self.opt_state.bounds[name] = {k: v.view(size) for k, v in self.opt_state.bounds[name].items()}
-                    out[s] = self.opt_state.param_bound(name, step, tol_parts[s].view(size), stepped_parts[s].view(size),
+                    out[s] = self.opt_state.param_bound(name, own_step(name), tol_parts[s].view(size),
+                                                        stepped_parts[s].view(size),
                                                         shadow["params"][name], st, shadow["hyper"][name])
                 continue
             if carried_flat is not None:
                 self.opt_state.bounds[key] = carried_flat
             whole = len(members) == len(names)  # one group (the common case): no regrouping
-            bound = self.opt_state.param_bound(key, step,
+            bound = self.opt_state.param_bound(key, own_step(member_names[0]),
                                                stepped_tol if whole else sub.flat([tol_parts[s] for s in members]),
                                                stepped if whole else sub.flat([stepped_parts[s] for s in members]),
                                                sub.flat([shadow["params"][n] for n in member_names]), state,
@@ -521,6 +547,29 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             viol.append(tilt)
         return run_counts
 
+    def without_a_gradient(step, cell_grads, replay_grads, step_layouts) -> list[Violation]:
+        """The grad violations of the parameters the cell and the replay do not both give a gradient
+        ([Note: Parameters without a gradient]): a gradient not exactly zero where the replay has
+        none (judged against 0, tolerance 0), and none where the replay has one."""
+        nonzero = [n for n, g in cell_grads.items() if n not in replay_grads and not bool((g == 0).all())]
+        out = []
+        if nonzero:
+            seg = segments({n: cell_grads[n] for n in nonzero})
+            zeros = torch.zeros(seg.total, dtype=torch.float64)
+            out += [v for v in judge("grad", step, nonzero, seg, seg.flat([cell_grads[n] for n in nonzero]), zeros,
+                                     zeros, step_layouts) if v]
+        for name, expected in replay_grads.items():
+            if name in cell_grads:
+                continue
+            index = int(expected.abs().reshape(-1).argmax().item()) if expected.numel() else None
+            value = expected.reshape(-1)[index].item() if index is not None else 0.0
+            stats["grad"].add(expected.numel(), float("inf"))
+            out.append(Violation(kind, step, "grad", name, float("inf"), abs(value), 0.0, float("nan"), value, index,
+                                 None if index is None else _coords(expected.shape, index),
+                                 None if index is None else owner_of(step_layouts.get(name), expected.shape, index),
+                                 num_violating=expected.numel(), lost_gradient=True))
+        return out
+
     def same_shapes(check, step, names, actual, expected) -> Segments:
         for name, a, e in zip(names, actual, expected):
             if a.shape != e.shape:
@@ -579,6 +628,10 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                                       loss_values[r], float("nan"), rank=r))
         grad_names = list(rec["grads"])
         grads_flat = segments(rec["grads"]).flat(list(rec["grads"].values()))
+        # The cell's gradients the replay has too; the others are judged as no gradient
+        # ([Note: Parameters without a gradient]).
+        no_grad_viol = without_a_gradient(step, rec["grads"], shadow["grads"], step_layouts)
+        judged_grads = {n: g for n, g in rec["grads"].items() if n in shadow["grads"]}
         cell_params_flat = segments(rec["params"]).flat(list(rec["params"].values()))
         stats["nonfinite"].add(grads_flat.numel() + cell_params_flat.numel())
         if not (bool(torch.isfinite(grads_flat).all()) and bool(torch.isfinite(cell_params_flat).all())):
@@ -625,9 +678,10 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
 
         # grad: within the reduction bound of the exact mean of the local terms; param: that bound
         # through clipping and the optimizer
-        missing = shadow["grads"].keys() ^ rec["grads"].keys()
-        if missing:
-            raise ValueError(f"step {step}: gradients of {sorted(missing)[:4]} are in only one of cell and replay")
+        viol.extend(no_grad_viol)
+        if len(judged_grads) != len(grad_names):
+            grad_names = list(judged_grads)
+            grads_flat = segments(judged_grads).flat(list(judged_grads.values()))
         tol_seg, grad_tol, param_tol = step_bounds.step_flat(step, shadow)
         reduction_tol = step_bounds.reduction_tol
         if grad_names != list(shadow["grads"]):  # the tolerances and the shadow's flat follow its order
@@ -635,7 +689,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                                                  for t in (grad_tol, param_tol, shadow_grads))
             if reduction_tol is not None:
                 reduction_tol = _reordered(tol_seg, list(shadow["grads"]), reduction_tol, grad_names)
-        seg = same_shapes("grad", step, grad_names, list(rec["grads"].values()),
+        seg = same_shapes("grad", step, grad_names, list(judged_grads.values()),
                           [shadow["grads"][n] for n in grad_names])
         grad_viol = judge("grad", step, grad_names, seg, grads_flat, shadow_grads, grad_tol, step_layouts)
         stats["grad"].add_samples(seg, grad_tol, shadow_grads)
@@ -647,8 +701,9 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                          for name, counts in zip(grad_names, sign_counts(seg, grads_flat - shadow_grads, shadow_grads))]
         else:
             bias_viol = [None] * len(grad_names)
-        # No gradient (frozen): no arithmetic touches the parameter, so it must match exactly.
-        frozen = list(rec["params"].keys() - rec["grads"].keys())
+        # No gradient (frozen, or none this step): no arithmetic touches the parameter, so it must
+        # match the replay's step exactly ([Note: Parameters without a gradient]).
+        frozen = [n for n in rec["params"] if n not in judged_grads]
         param_names = grad_names + frozen
         params = {n: rec["params"][n] for n in param_names}
         shadow_params = [shadow["params"][n] for n in param_names]
@@ -715,9 +770,10 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
             split = cell["data_mode"] == "split"
             actual_losses = rec["loss"].double().mean().reshape(1) if split else rec["loss"].double()
             ref_loss = ref_rec["loss"].double().mean()
+            both = {n: g for n, g in rec["grads"].items() if n in ref_rec["grads"]}  # gradients both have
             step_stats = {
                 "loss": compare(actual_losses.float(), ref_loss.float().expand_as(actual_losses)),
-                "grad": compare(flat(rec["grads"]), flat(ref_rec["grads"], rec["grads"])),
+                "grad": compare(flat(both), flat(ref_rec["grads"], both)),
                 "param": compare(flat(rec["params"]), flat(ref_rec["params"], rec["params"])),
             }
             for q, merged in step_stats.items():

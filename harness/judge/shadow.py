@@ -25,7 +25,7 @@ from cases.case import GROUP_HYPERPARAMETERS, Case, OptimizerSpec
 from cases.data import Batch, batch_size, call_model, local_batch, map_tensors, micro_batches
 from cases.features import DTYPES
 from harness.adapters.features import CastCompute, floating_output
-from harness.judge.tolerance import REORDER_FACTOR, ReductionModel, unit_roundoff
+from harness.judge.tolerance import REORDER_FACTOR, ReductionModel, underflow_error, unit_roundoff
 
 
 def forward_backward(model: nn.Module, loss_fn, inputs, targets, num_micro: int,
@@ -295,7 +295,8 @@ class Shadow:
                 for name in self.params}
 
     def step(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
-             perturb: torch.Generator | None = None, buffers_before: dict[str, torch.Tensor] | None = None) -> dict:
+             perturb: torch.Generator | None = None, buffers_before: dict[str, torch.Tensor] | None = None,
+             antithetic: bool = False) -> dict:
         """One step replayed from the cell's parameters (and buffers, when given; else the shadow's
         own) before it; "buffers" in the result are rank 0's after its forward passes."""
         with torch.no_grad():
@@ -307,7 +308,7 @@ class Shadow:
         losses, grads, abs_grads, reordered = self._terms(batch, data_mode, world_size, self.num_micro)
         buffers = {n: b.detach().cpu().clone() for n, b in self.buffers.items()}
         if perturb is not None:
-            self._perturb(grads, batch, perturb, reordered)
+            self._perturb(grads, batch, perturb, reordered, antithetic)
             self._set_buffers(buffers)  # the per-sample passes moved them
         for name, p in self.params.items():
             p.grad = grads[name].to(p.dtype) if name in grads else None
@@ -342,14 +343,24 @@ class Shadow:
                 for name, p in self.params.items()}
 
     def _perturb(self, grads: dict[str, torch.Tensor], batch: Batch, generator: torch.Generator,
-                 reordered: dict[str, torch.Tensor]) -> None:
+                 reordered: dict[str, torch.Tensor], antithetic: bool = False) -> None:
         """Add noise of the size of the largest honest reduction error of any split of this batch
         (every sample its own term, K = B, bounds every W x M split), plus the measured difference
         between this whole-batch gradient and the mean of the per-sample ones: the local computation
         on another batch size (docs/error_model.md, "Trajectories")."""
         num_samples = batch_size(batch)
+        local_shape = {n: torch.zeros_like(g) for n, g in grads.items()}
         if "split" in self.case.data_modes:
             _, per_sample_mean, per_sample_abs, _ = self._terms(batch, "split", num_samples, 1, reorder=False)
+            # The local computation on each batch size a cell of this case runs (B / W samples per
+            # rank, in M micro-batches) differs from the whole batch's in its own bits: the noise
+            # covers each, so a cell's step-1 deviation is never larger than the noise's amplitude.
+            for w in sorted(set(self.case.world_sizes) - {1}):
+                if num_samples % (w * self.num_micro) == 0 and w * self.num_micro < num_samples:
+                    _, split_mean, _, _ = self._terms(batch, "split", w, self.num_micro, reorder=False)
+                    for n, g in grads.items():
+                        if n in split_mean:
+                            local_shape[n] = torch.maximum(local_shape[n], (g - split_mean[n]).abs())
         else:
             # Identical data only (a model coupling its samples, as BatchNorm does, where a sample
             # alone is no term of the batch's gradient): every rank computes the whole batch, so
@@ -361,13 +372,19 @@ class Shadow:
         # The reference computes its local forward/backward on another batch size than a cell's
         # ranks, so beyond the reduction their gradients differ by the compute dtype's rounding.
         u = max(precision.u, unit_roundoff(features.compute_dtype))
-        model = ReductionModel(num_samples, u, precision.casts)
+        model = ReductionModel(num_samples, u, precision.casts, max(precision.eta, underflow_error(features.compute_dtype)))
         for name, g in grads.items():
             # A sample's gradient is itself a sum over its rows (a sequence's tokens), which a
             # batched backward sums in another order than a per-sample one; where those rows cancel
             # (an attention key bias, whose exact gradient is zero) this difference dwarfs the
             # reduction bound of the per-sample terms.
-            local_shape = (g - per_sample_mean[name]).abs()
-            amplitude = model.grad_bound(per_sample_abs[name]) + local_shape + reordered.get(name, 0)
-            noise = torch.rand(g.shape, generator=generator, dtype=torch.float64) * 2 - 1
-            grads[name] = g + noise * amplitude.cpu().to(g.device)
+            shape = torch.maximum(local_shape[name], (g - per_sample_mean[name]).abs())
+            amplitude = model.grad_bound(per_sample_abs[name]) + shape + reordered.get(name, 0)
+            # A random sign at the full amplitude (not a uniform draw below it): with the antithetic
+            # run's opposite sign, some run is pushed at least as far as an honest cell in either
+            # direction, so at step 1 the envelope holds element by element for any optimizer whose
+            # update is monotone in the gradient (AdamW's first step is nearly lr * sign(g)).
+            sign = torch.randint(0, 2, g.shape, generator=generator, dtype=torch.float64) * 2 - 1
+            if antithetic:
+                sign = -sign
+            grads[name] = g + sign * amplitude.cpu().to(g.device)

@@ -76,6 +76,12 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
+def underflow_error(dtype: torch.dtype) -> float:
+    """Half the smallest subnormal of `dtype`: the largest absolute error of one rounding below its
+    normal range."""
+    return torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps / 2
+
+
 def gamma(n: int, u: float) -> float:
     """Higham's gamma_n = n u / (1 - n u): the relative error bound of n successive roundings."""
     if n < 0 or n * u >= 1:
@@ -90,6 +96,10 @@ class ReductionModel:
     num_terms: int  # K = (ranks contributing) x (micro-batches per step)
     u: float  # unit roundoff of the lowest precision the sum is carried out in
     casts: int = 0  # 1 when the terms are rounded into a lower-precision reduce dtype first
+    # The absolute error one rounding may make below the normal range (half the smallest subnormal:
+    # 2^-25 in float16, 2^-150 in float32): a division or a cast that underflows loses absolute,
+    # not relative, precision (Higham, eq. 2.8), which float16 gradients reach.
+    eta: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_terms < 1:
@@ -107,7 +117,8 @@ class ReductionModel:
 
     def grad_bound(self, abs_mean: torch.Tensor) -> torch.Tensor:
         """abs_mean = sum_k |term_k| / W per element (float64)."""
-        return self.relative * abs_mean.double()
+        bound = self.relative * abs_mean.double()
+        return bound + self.roundings * self.eta if self.eta else bound
 
     @classmethod
     def for_cell(cls, world_size: int, num_micro: int, compute_dtype: torch.dtype,
@@ -119,7 +130,10 @@ class ReductionModel:
         if num_micro > 1:
             u = max(u, unit_roundoff(compute_dtype))
         casts = int(unit_roundoff(reduce_dtype) > unit_roundoff(compute_dtype))
-        return cls(world_size * num_micro, u, casts)
+        eta = underflow_error(reduce_dtype)
+        if num_micro > 1:
+            eta = max(eta, underflow_error(compute_dtype))
+        return cls(world_size * num_micro, u, casts, eta)
 
 
 def relative_tolerance_stats(tol: torch.Tensor, value: torch.Tensor) -> tuple[float, float]:

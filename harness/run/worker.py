@@ -305,12 +305,15 @@ def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.T
     """The reference run with honest-sized noise added to every step's gradient: its deviation
     from the reference is the envelope the trajectory check scales (docs/error_model.md)."""
     shadow = Shadow(case, spec, init_state, device, init_buffers=init_buffers)
-    generator = torch.Generator().manual_seed(seed)
+    # Runs come in antithetic pairs: run 2k draws the signs of run 2k - 1 and takes their opposite
+    # (harness/judge/shadow.py Shadow._perturb), so at every element one run of the pair is pushed
+    # the full amplitude in the direction an honest cell may have gone.
+    generator = torch.Generator().manual_seed((seed + 1) // 2)
     params = {n: p.detach().cpu().clone() for n, p in shadow.params.items()}
     out = []
     for step in range(1, num_steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
-        params = shadow.step(params, batch, "identical", 1, perturb=generator)["params"]
+        params = shadow.step(params, batch, "identical", 1, perturb=generator, antithetic=seed % 2 == 0)["params"]
         out.append(params)
     return out
 
