@@ -17,8 +17,15 @@ only where the implementation differs:
   with that reason) or None. The default accepts only plain cases and names every feature it
   does not map, so a minimal adapter is never handed a feature it would silently ignore.
 - `make_optimizer(model, spec, features)`: for libraries that own the optimizer (ZeRO-1,
-  DeepSpeed's engine). `forward_backward(...)` and `optimizer_step(...)`: for libraries that own
-  the step (an engine's `backward`/`step`); the harness snapshots gradients between the two.
+  DeepSpeed's engine). A spec with parameter groups (`OptimizerSpec.param_groups`) reaches it only
+  when the adapter sets `builds_param_groups` and assigns the groups itself (`spec.build_grouped`
+  over the plain model's named parameters, before the engine renames or partitions them);
+  otherwise the harness builds that optimizer, each wrapped parameter in the group of the plain
+  parameters its `layouts()` say it holds. `forward_backward(...)` and `optimizer_step(...)`: for
+  libraries that own the step (an engine's `backward`/`step`); the harness snapshots gradients
+  between the two. A batch's inputs reach the model through `cases.data.call_model` (a dict as
+  keyword arguments, a tuple as positional ones, a tensor as the one argument), the losses through
+  `harness.adapters.features.floating_output`; an adapter's own forward does the same.
 - `set_gradient_sync(model, enabled)`, `clip_grad_norm(model, max_norm, norm_type)`,
   `materialize(model, init_state, device)` (meta-device init), `reshard_checkpoint(...)`.
 - `layouts(model)` and `raw_shards(model)`: optional evidence of the sharding itself. When an
@@ -44,18 +51,25 @@ Ten lines that pass the standard matrix for torch FSDP2 (`--impls my_fsdp2.py:My
 
 A library that owns the step (make_optimizer / forward_backward / optimizer_step), sketched:
 
+    from cases.data import call_model
+    from harness.adapters import Adapter
+    from harness.adapters.features import floating_output
+
     class Engine(Adapter):
         name = "engine"
+        builds_param_groups = True                        # the harness hands it every spec
 
         def wrap(self, model, wrap_paths, ctx):
             return model                                  # the engine is built with the optimizer
 
         def make_optimizer(self, model, spec, features):
-            self.engine = lib.initialize(model, optimizer=spec.build(model.parameters()))
-            return self.engine.optimizer
+            optimizer = spec.build_grouped(((n,), p) for n, p in model.named_parameters())
+            self.engine = lib.initialize(model, optimizer=optimizer)
+            return optimizer                              # a torch optimizer: the LR scheduler's
 
         def forward_backward(self, model, loss_fn, inputs, targets, num_micro):
-            loss = loss_fn(self.engine(inputs), targets)
+            outputs = call_model(self.engine, inputs)     # cases/data.py: dict, tuple or tensor
+            loss = loss_fn(floating_output(outputs), targets)
             self.engine.backward(loss)
             return loss.detach()
 
@@ -129,6 +143,10 @@ class Adapter:
     # Features.checkpoint_reshard_at: reshard_checkpoint() reloads the model over fewer ranks. The
     # reference (single) leaves it False: a plain model trains on unchanged.
     reshards_checkpoints: ClassVar[bool] = False
+    # True: make_optimizer is handed specs with parameter groups too and assigns them itself (an
+    # engine built around the optimizer; before it no layout exists). False: the harness builds
+    # a grouped optimizer from the wrapped parameters and layouts() ([Note: Adapter protocol]).
+    builds_param_groups: ClassVar[bool] = False
     param_padding: ClassVar[Padding] = Padding.ZERO
     grad_padding: ClassVar[Padding] = Padding.ZERO
     # True when the library keeps process-wide state across process groups: its cells then run in

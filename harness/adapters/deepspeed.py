@@ -1,9 +1,16 @@
 """`deepspeed_zero1/2/3`: DeepSpeed's engine with ZeRO stage 1, 2 or 3 (the optional extra:
 `pip install -e .[deepspeed]`), on the CPU accelerator over gloo.
 
-DeepSpeed owns the step, so this adapter uses the hooks for that (harness/adapters/base.py):
-`make_optimizer` builds the engine around the case's torch optimizer, `forward_backward` runs
-`engine(inputs)` and `engine.backward(loss)`, `optimizer_step` runs `engine.step()`.
+DeepSpeed owns the optimizer and the step, so this adapter uses the hooks for that
+(harness/adapters/base.py):
+- `make_optimizer` builds the case's torch optimizer, parameter groups included
+  (`builds_param_groups`: before the engine exists every parameter is the plain model's, under
+  its own name, and no partition exists to describe), builds the engine around it, and returns
+  that torch optimizer: the ZeRO wrapper steps it, and the case's LR scheduler takes nothing else;
+- `forward_backward` feeds the engine the inputs as the harness's own step feeds the plain model
+  (`cases.data.call_model`: a dict as keyword arguments, a tuple as positional ones, a tensor as
+  the one argument), then runs `engine.backward(loss)`;
+- `optimizer_step` runs `engine.step()`.
 
 [Note: DeepSpeed config] Every setting that changes the arithmetic of a step is written out
 rather than left to DeepSpeed's defaults, so an upstream default never changes the run unnoticed:
@@ -70,6 +77,7 @@ class DeepSpeed(Adapter):
     # size's cells run in a launch of their own.
     process_per_world = True
     shards_scalar_params = False  # wrap refuses a 0-d parameter (deepspeed.initialize cannot broadcast it)
+    builds_param_groups = True
 
     def __init__(self, stage: int = 3, name: str = "deepspeed_zero3") -> None:
         self.stage = stage
@@ -98,19 +106,25 @@ class DeepSpeed(Adapter):
 
     def make_optimizer(self, model, spec, features):
         deepspeed = _import_deepspeed(self.device_type)
-        engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=spec.build(model.parameters()),
+        # The engine is not built yet: every parameter is the plain model's, under its own name.
+        torch_optimizer = spec.build_grouped(((name,), p) for name, p in model.named_parameters())
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=torch_optimizer,
             config=deepspeed_config(self.stage, self.world_size), dist_init_required=False)
+        # The case's LR scheduler is torch's, which takes a torch optimizer only: it gets the one
+        # the ZeRO wrapper steps (whose param_groups the wrapper's are), not the wrapper.
+        assert engine.optimizer.optimizer is torch_optimizer, type(engine.optimizer).__name__
         self.engine = engine
-        return optimizer
+        return torch_optimizer
 
     def zero_grad(self, model, optim):
         self.engine.zero_grad()
 
     def forward_backward(self, model, loss_fn, inputs, targets, num_micro):
+        from cases.data import call_model
         from harness.adapters.features import floating_output
 
-        loss = loss_fn(floating_output(self.engine(inputs)), targets)
+        loss = loss_fn(floating_output(call_model(self.engine, inputs)), targets)
         self.engine.backward(loss)
         return loss.detach()
 

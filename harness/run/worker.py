@@ -203,8 +203,9 @@ def _params_with_plain_names(wrapped: nn.Module, adapter: Adapter, plain_names: 
 def _make_optimizer(adapter: Adapter, wrapped: nn.Module, spec: OptimizerSpec, case: Case, ctx: RankContext,
                     cell: Cell, plain_names: set[str]) -> torch.optim.Optimizer:
     """The adapter's optimizer; with parameter groups the harness builds it, each of the wrapped
-    model's parameters in the group of the plain parameters it holds."""
-    if not spec.param_groups:
+    model's parameters in the group of the plain parameters it holds, unless the adapter assigns
+    them itself (`builds_param_groups`: an engine, which has no layouts before it is built)."""
+    if not spec.param_groups or adapter.builds_param_groups:
         return adapter.make_optimizer(wrapped, spec, case.features)
     try:
         return spec.build_grouped(_params_with_plain_names(wrapped, adapter, plain_names, ctx, cell))
