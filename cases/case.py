@@ -206,8 +206,14 @@ class Case:
         classes (GPT2Block), or a policy (fqn, module) -> bool (see resolve_wrap).
     make_batch: (seed, step, global_batch) -> (inputs, targets), each a pytree of tensors with the
         sample along dim 0 (cases/data.py: how inputs reach the model, how a batch is split).
-    loss_fn: (outputs, targets) -> a floating scalar, the mean over the batch's samples.
+    loss_fn: (outputs, targets) -> a floating scalar, the mean over the batch's samples of terms
+        that do not look at the other samples: split data and micro-batches average the local
+        losses, and the plan refuses a loss whose whole-batch value is not that average
+        ([Note: Batch makeup] in harness/run/batch_makeup.py).
     optimizers: OptimizerSpec per optimizer kind; each trains the case separately.
+    data_modes: 'identical' (every rank the whole batch) and/or 'split' (rank r the rows
+        [r B/W, (r + 1) B/W)); a run without --data runs these. refused_modes: (mode, why) pairs for modes left out on
+        purpose: a run asking for one is refused (exit 2) with `why`.
     requires: import names of the optional packages build_model needs ('transformers'): code that
         only inspects a case answers "unknown without <package>" instead of building it.
     """

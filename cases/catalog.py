@@ -154,8 +154,8 @@ def _hf_case(name: str, description: str, build, wrap=arch.decoder_blocks, make_
 
 _BATCHNORM_SPLIT = (
     "BatchNorm normalises over each rank's local batch, so under split data a rank's statistics are "
-    "not the global batch's and the run is not the unsharded one by design; use identical data, or "
-    "nn.SyncBatchNorm in your own model")
+    "not the global batch's and the run is not the unsharded one by design; use identical data "
+    "(nn.SyncBatchNorm, which would share the statistics, runs only on GPUs: on CPU ranks it raises)")
 _ARCHITECTURE_CASES = (
     _hf_case("gpt2", "Hugging Face GPT-2: learned positions, token embedding tied to the output head (the "
              "seeds' model), 2 blocks wrapped", arch.gpt2),

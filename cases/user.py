@@ -4,8 +4,8 @@ returning one. The parent and every rank load it the same way (from the same spe
 
 `validate_case` runs the case once on the CPU before any rank starts (a model with parameters, a
 wrap that names its modules, a batch whose tensors split along dim 0, a scalar finite loss with a
-gradient, optimizers whose groups match parameters), so a mistake in it is one line naming the
-fix instead of a traceback in W ranks.
+gradient, buffers the forward leaves at their built shapes, optimizers whose groups match
+parameters), so a mistake in it is one line naming the fix instead of a traceback in W ranks.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ def validate_case(case: Case, spec: str) -> None:
         raise ValueError(f"{where}: the loss of the first batch is {loss.item()}; the case must start finite")
     if not loss.requires_grad:
         raise ValueError(f"{where}: the loss does not depend on any trainable parameter")
+    _check_buffers_keep_their_shape(where, buffers, dict(model.named_buffers()))
     # The judge replays each rank's forward and asks for its loss bit for bit (docs/error_model.md):
     # a forward that draws random numbers (dropout) cannot be replayed. Same model, same buffers,
     # same batch, the random generator moved on: the loss must not change.
@@ -137,6 +138,26 @@ def validate_case(case: Case, spec: str) -> None:
         if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise ValueError(f"{where}: optimizer {opt.kind} lr_scheduler returned a {type(scheduler).__name__}, "
                              f"not a torch.optim.lr_scheduler.LRScheduler")
+
+
+def _check_buffers_keep_their_shape(where: str, built: dict[str, torch.Tensor],
+                                    after: dict[str, torch.Tensor]) -> None:
+    """Every rank starts from the buffers of the model as built (the reference initial state) and
+    the buffers check compares them by name and shape at every step: a buffer the forward
+    registers, replaces with another shape or dtype, or removes (a RoPE table grown to the sequence
+    length on first use) has no reference to be judged against."""
+    for name in sorted(set(built) | set(after)):
+        before, now = built.get(name), after.get(name)
+        if before is not None and now is not None and (before.shape, before.dtype) == (now.shape, now.dtype):
+            continue
+        raise ValueError(f"{where}: the forward changed buffer '{name}' from {_describe(before)} as built to "
+                         f"{_describe(now)}; buffers are judged against the model as built, so build it at its "
+                         f"full size in __init__ (a RoPE table for the longest sequence, as "
+                         f"max_position_embeddings does)")
+
+
+def _describe(t: torch.Tensor | None) -> str:
+    return "absent" if t is None else f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
 def _one_line(e: BaseException) -> str:

@@ -65,7 +65,7 @@ def _add_matrix_args(p: argparse.ArgumentParser, *, cases, impls, world_sizes, d
     p.add_argument("--impls", default=impls,
                    help=f"comma-separated: ours, fsdp2, ddp, single, or module:Class / file.py:Class (default {impls})")
     p.add_argument("--world-sizes", default=world_sizes, help=f"comma-separated (default {world_sizes})")
-    p.add_argument("--data", default=data, help=f"identical,split (default {data})")
+    p.add_argument("--data", default=data, help="identical,split (default: each case's own data_modes)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the case's)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per world size (one torchrun runs them all, default 600)")
     p.add_argument("--out", default=out, help=f"output directory (default {out})")
@@ -85,10 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = verbs.add_parser("run", help="run a matrix and write reports (default: the standard matrix into runs/run; "
                                        "--out reports regenerates the committed report)")
     _add_matrix_args(run, cases="mlp,transformer", impls="ours,fsdp2", world_sizes="1,2,4,8",
-                     data="identical,split", out="runs/run")
+                     data=None, out="runs/run")
     gate = verbs.add_parser("gate", help="the CI configuration: JUnit XML + Markdown summary")
     _add_matrix_args(gate, cases="mlp,transformer", impls="ours", world_sizes="1,2,4",
-                     data="identical,split", out="runs/gate")
+                     data=None, out="runs/gate")
     gate.add_argument("--full", action="store_true", help="world sizes 1,2,4,8")
     gate.add_argument("--baseline", default=None, metavar="FILE",
                       help="also fail when the single-process reference drifts from this golden baseline "
@@ -147,7 +147,7 @@ def _plan_from_args(args):
         cases=parse_csv(args.cases, "cases"),
         impls=parse_csv(args.impls, "impls"),
         world_sizes=parse_world_sizes(world_sizes),
-        data_modes=parse_csv(args.data, "data"),
+        data_modes=parse_csv(args.data, "data") if args.data is not None else None,
         steps=args.steps,
         timeout_s=args.timeout,
         out_dir=args.out,
@@ -176,6 +176,8 @@ def cmd_run(args, argv: list[str]) -> int:
     from harness.judge.verdict import Judge, evaluate
 
     plan = _plan_from_args(args)
+    for note in plan.notes:
+        print(f"note: {note}")
     baseline = None
     if getattr(args, "baseline", None):
         from harness.ci.baseline import load_baseline

@@ -27,11 +27,13 @@ import pytest
 MAX_FAILURES_SHOWN = 8
 
 
-def _run(out_dir: Path, case: str, impl: str, world_sizes, data: tuple[str, ...], steps: int | None,
+def _run(out_dir: Path, case: str, impl: str, world_sizes, data: tuple[str, ...] | None, steps: int | None,
          timeout_s: float) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "harness", "run", "--cases", case, "--impls", impl,
-           "--world-sizes", ",".join(str(w) for w in world_sizes), "--data", ",".join(data),
+           "--world-sizes", ",".join(str(w) for w in world_sizes),
            "--timeout", str(timeout_s), "--out", str(out_dir)]
+    if data is not None:  # else the case's own data_modes
+        cmd += ["--data", ",".join(data)]
     if steps is not None:
         cmd += ["--steps", str(steps)]
     # One launch per world size, each within timeout_s, plus the parent's judging: the outer guard
@@ -61,15 +63,17 @@ def _failure_text(case: str, impl: str, rc: int, output: str, summary: dict | No
 
 @pytest.fixture
 def fsdp_equivalence(tmp_path):
-    """Run the harness on (case, impl, world sizes) and fail the test unless every cell passes."""
+    """Run the harness on (case, impl, world sizes, data modes: the case's own by default) and fail
+    the test unless every cell passes."""
     calls = []
 
     def check(case: str = "mlp", impl: str = "ours", world_sizes=(1, 2, 4),
-              data: tuple[str, ...] = ("identical", "split"), steps: int | None = None,
+              data: tuple[str, ...] | None = None, steps: int | None = None,
               timeout_s: float = 600.0) -> dict:
         out_dir = tmp_path / f"fsdp_equivalence_{len(calls)}"
         calls.append(out_dir)
-        rc, output = _run(out_dir, case, impl, tuple(world_sizes), tuple(data), steps, timeout_s)
+        rc, output = _run(out_dir, case, impl, tuple(world_sizes), None if data is None else tuple(data), steps,
+                          timeout_s)
         summary_path = out_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
         if rc != 0 or summary is None:

@@ -177,6 +177,25 @@ def test_unknown_layout_kinds_and_names_are_errors(evidence):
         check_layouts(snap, _sizes())
 
 
+def test_flat_layouts_need_raw_shards_and_raw_shards_need_no_layouts(evidence):
+    """[Note: Adapter protocol]: a flat layout is checked against the raw shards it names, so
+    without them it is an error saying so; raw shards alone keep their padding checked."""
+    snaps, ref, init = evidence
+    no_shards = copy.deepcopy(snaps["fsdp1"])
+    for rec in no_shards["steps"]:
+        rec["shards"], rec["shard_grads"], rec["padding_intervals"] = {}, {}, {}
+    with pytest.raises(LayoutError, match="is a flat layout, but the adapter gives no raw_shards"):
+        check_layouts(no_shards, _sizes())
+    no_layouts = copy.deepcopy(snaps["fsdp1"])
+    no_layouts["layouts"] = {}
+    for rec in no_layouts["steps"]:
+        rec.pop("layouts", None)
+    check_layouts(no_layouts, _sizes())
+    result = check_snapshot(no_layouts, init, ref)
+    assert result.violations == [] and result.error is None
+    assert result.checks["padding"]["elements"] > 0
+
+
 def test_a_minimal_adapter_is_skipped_with_the_features_it_does_not_map(tmp_path):
     plan = build_plan(cases=("mlp", "grad_accumulation"), impls=(f"{HERE}:MinimalFSDP2",), world_sizes=(2,),
                       data_modes=("split",), out_dir=tmp_path / "out")

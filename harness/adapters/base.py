@@ -32,9 +32,12 @@ only where the implementation differs:
   adapter gives them they are validated ([Note: Layout validation] in harness/judge/layouts.py):
   every parameter's layout must reproduce its full tensor from the ranks' raw shards, bitwise, and
   no padding interval may cover a parameter's element; a wrong layout is an error naming the
-  parameter. `param_padding` / `grad_padding` declare what the padding of raw shards holds:
-  `Padding.ZERO` (checked exactly) or `Padding.UNSPECIFIED` (any value, NaN included, never
-  judged). Torch FSDP1, for instance, fills its alignment padding with 42 on purpose.
+  parameter. A "flat" layout (a parameter at an offset of a padded flat buffer) is checked against
+  the raw shards it names, so it needs `raw_shards` (without them the cell is an error saying so);
+  "dim0" and "replicated" layouts need none, and raw shards without layouts have their padding
+  checked by the intervals they carry. `param_padding` / `grad_padding` declare what the padding
+  of raw shards holds: `Padding.ZERO` (checked exactly) or `Padding.UNSPECIFIED` (any value, NaN
+  included, never judged). Torch FSDP1, for instance, fills its alignment padding with 42 on purpose.
 
 Ten lines that pass the standard matrix for torch FSDP2 (`--impls my_fsdp2.py:MyFSDP2`):
 
@@ -232,6 +235,17 @@ class Adapter:
 
     def raw_shards(self, model: nn.Module) -> list[RawShard]:
         """This rank's raw padded shards (no collective); [] when the impl exposes none."""
+        return []
+
+    # -- before any rank starts -------------------------------------------------------------------
+
+    def shared_tensors(self, model: nn.Module, wrap_paths: tuple[str, ...],
+                       features: Features) -> list[tuple[str, tuple[str, ...]]]:
+        """(unit, the plain model's parameter names) of every tensor the optimizer will hold that
+        carries several parameters (a flat parameter), computed in the parent on a plain `model`
+        of its own with no process group; [] when every parameter stays a tensor of its own. Such
+        a tensor has one learning rate and weight decay, so the plan refuses parameter groups
+        that split it (harness/run/plan.py) before any rank starts."""
         return []
 
 

@@ -52,6 +52,9 @@ class FSDP2(Adapter):
         with torch.no_grad():  # every rank holds the full reference state: keep this rank's shard
             for name, param in model.named_parameters():
                 param.copy_(distribute_tensor(init_state[name], param.device_mesh, param.placements))
+            for name, buffer in model.named_buffers():  # whole on every rank; persistent ones are in the state
+                if name in init_state:
+                    buffer.copy_(init_state[name])
 
     def layouts(self, model):
         out = {}

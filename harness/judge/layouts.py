@@ -111,6 +111,10 @@ def _check_step(rec: dict, layouts: dict, sizes: dict[str, torch.Size], num_rank
             continue
         key = layout["flat_key"]
         rows = rec["shards"].get(key)
+        if rows is None and not rec["shards"]:
+            raise LayoutError(f"step {step}: {_describe(name, layout)} is a flat layout, but the adapter gives no "
+                              f"raw_shards() to check it against; give raw_shards() with it, or a 'dim0' or "
+                              f"'replicated' layout ([Note: Adapter protocol])")
         if rows is None:
             raise LayoutError(f"step {step}: {_describe(name, layout)} names no raw shard; the shards are "
                               f"{sorted(rec['shards'])[:4]}")

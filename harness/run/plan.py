@@ -22,7 +22,7 @@ REFERENCE_IMPL = "single"
 DEFAULT_CASES = ("mlp", "transformer")
 DEFAULT_IMPLS = ("ours", "fsdp2")
 DEFAULT_WORLD_SIZES = (1, 2, 4, 8)
-DEFAULT_DATA_MODES = DATA_MODES
+DEFAULT_DATA_MODES = None  # each case's own `data_modes`
 # Rank 0 keeps every step's full parameters, gradients and shadow state in memory and in the
 # snapshot, and the shadow recomputes per-sample gradients at every step: beyond this a run of
 # the standard matrix takes many hours on a CPU host and its snapshots grow past memory.
@@ -91,6 +91,7 @@ class RunPlan:
     launch_per_cell: bool = False  # one torchrun per cell: only to measure what batching saves
     extra_pythonpath: tuple[str, ...] = field(default_factory=tuple)
     skipped: tuple[tuple[Cell, str], ...] = ()  # cells that cannot run here, with the reason
+    notes: tuple[str, ...] = ()  # what the plan could not check (printed before the run)
     backend: str = "gloo"  # gloo (CPU) or nccl (one rank per GPU)
     device: str = "cpu"
     # Stamped into every launch plan, snapshot, initial state and report of this run: evidence
@@ -180,7 +181,7 @@ def build_plan(
     cases: tuple[str, ...] = DEFAULT_CASES,
     impls: tuple[str, ...] = DEFAULT_IMPLS,
     world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES,
-    data_modes: tuple[str, ...] = DEFAULT_DATA_MODES,
+    data_modes: tuple[str, ...] | None = DEFAULT_DATA_MODES,
     steps: int | None = None,
     timeout_s: float = 600.0,
     out_dir: str | Path = "reports",
@@ -211,7 +212,7 @@ def build_plan(
         case_names[case.name] = name
         if ":" in name and not name.split(":")[0].endswith(".py"):
             extra_paths.append(os.getcwd())  # the ranks import 'module:attr' from where the run started
-    for mode in data_modes:
+    for mode in data_modes or ():
         if mode not in DATA_MODES:
             raise PlanError(f"unknown data mode {mode!r}; known: {list(DATA_MODES)}")
     for w in world_sizes:
@@ -257,8 +258,9 @@ def build_plan(
     cells, skipped = [], []
     for case_name in cases:
         case = get_case(case_name)
+        modes = data_modes or case.data_modes
         for w in world_sizes:
-            for mode in data_modes:
+            for mode in modes:
                 if mode not in case.data_modes:
                     why = dict(case.refused_modes).get(mode)
                     raise PlanError(f"case={case_name} refuses data mode {mode!r}: {why}" if why else
@@ -270,7 +272,7 @@ def build_plan(
                     )
             if w not in case.world_sizes:
                 raise PlanError(f"case={case_name} does not run at world_size={w}; its world sizes: {list(case.world_sizes)}")
-            for mode in data_modes:
+            for mode in modes:
                 for impl in impls:
                     cell = Cell(case_name, impl, w, mode, steps or case.steps,
                                 faults=_cell_faults(faults, impl, w),
@@ -280,6 +282,7 @@ def build_plan(
                         skipped.append((cell, reason))
                     else:
                         cells.append(cell)
+    notes = _check_cases(cases, adapters, world_sizes, data_modes)
     if not cells:
         raise PlanError("nothing to run: every requested cell is skipped: "
                         + "; ".join(sorted({f"{c.case} ({c.impl}): {r}" for c, r in skipped})))
@@ -293,7 +296,23 @@ def build_plan(
     ids = [c.cell_id for c in references + tuple(cells)]
     assert len(set(ids)) == len(ids), f"cell ids repeat: {sorted(i for i in set(ids) if ids.count(i) > 1)}"
     return RunPlan(tuple(cells), references, Path(out_dir), float(timeout_s), threads, launch_per_cell,
-                   tuple(dict.fromkeys(extra_paths)), tuple(skipped), backend, device)
+                   tuple(dict.fromkeys(extra_paths)), tuple(skipped), notes, backend, device)
+
+
+def _check_cases(cases: tuple[str, ...], adapters: dict, world_sizes: tuple[int, ...],
+                 data_modes: tuple[str, ...] | None) -> tuple[str, ...]:
+    """What a case asks that the run cannot honour, refused before any rank starts: parameter
+    groups that split an implementation's flat parameter, a loss that depends on how the batch is
+    split ([Note: Batch makeup]). Returns the notes of what could not be checked."""
+    from harness.run.batch_makeup import check_batch_makeup
+    from harness.run.param_groups import check_param_groups
+
+    notes = []
+    for name in cases:
+        case = get_case(name)
+        check_param_groups(case, name, adapters)
+        notes += check_batch_makeup(name, world_sizes, data_modes or case.data_modes)
+    return tuple(notes)
 
 
 def _one_line(e: BaseException) -> str:

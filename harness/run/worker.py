@@ -173,7 +173,21 @@ def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, init_state, i
     wrapped = adapter.wrap(model, wrap_paths, ctx)
     if features.meta_init:
         adapter.materialize(wrapped, init_state, ctx.device)
+        _load_nonpersistent_after_meta(wrapped, init_state, init_buffers)
     return wrapped
+
+
+def _load_nonpersistent_after_meta(wrapped: nn.Module, init_state: dict[str, torch.Tensor],
+                                   init_buffers: dict[str, torch.Tensor]) -> None:
+    """The reference initial state is the state dict and the buffers a state dict leaves out, as
+    the eager path above loads them. to_empty() leaves every buffer uninitialised, and no state
+    dict an implementation loads holds the non-persistent ones (a RoPE table, a constant scale):
+    they are copied from the reference model as built, as a user's own meta-device init sets them."""
+    with torch.no_grad():
+        for name, b in wrapped.named_buffers():
+            name = plain_name(name)
+            if name in init_buffers and name not in init_state:
+                b.copy_(init_buffers[name])
 
 
 def _params_with_plain_names(wrapped: nn.Module, adapter: Adapter, plain_names: set[str], ctx: RankContext,

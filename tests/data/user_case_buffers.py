@@ -9,6 +9,8 @@ state_dict) and a non-persistent constant (a per-feature scale a state_dict leav
 - `make_checkpointed_case`: the block with BatchNorm recomputed in backward (activation
   checkpointing). torch.utils.checkpoint re-runs its forward in training mode, so BatchNorm updates
   its running statistics twice per step: not the unsharded run, whatever the sharding.
+- `make_meta_constant_case`: the constant case built on the meta device (Features(meta_init=True)):
+  to_empty() leaves the non-persistent `scale` uninitialised and no state dict holds it.
 """
 
 import torch
@@ -68,3 +70,7 @@ def make_constant_case() -> Case:
 
 def make_checkpointed_case() -> Case:
     return _case("buffers_checkpointed", norm=True, features=Features(activation_checkpointing=("blocks.0",)))
+
+
+def make_meta_constant_case() -> Case:
+    return _case("buffers_meta", norm=False, features=Features(meta_init=True), data_modes=("identical", "split"))
