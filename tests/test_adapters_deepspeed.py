@@ -151,26 +151,25 @@ def test_dict_and_tuple_inputs_param_groups_and_lr_schedules_pass_under_zero_1_2
 
 
 @pytest.mark.slow
-def test_llama_passes_under_zero_1_and_2(deepspeed_run):
+def test_llama_passes_under_zero_1_and_2_with_every_check_applied(deepspeed_run):
     _, cells = deepspeed_run
     for cell in _cells(cells, "llama", ("deepspeed_zero1", "deepspeed_zero2")):
         assert cell["verdict"] == "pass", (cell["cell_id"], cell["first_divergence_text"] or cell["error"])
+        assert not cell["bias_not_applied"], (cell["cell_id"], cell["bias_not_applied"])
 
 
 @pytest.mark.slow
-def test_llama_under_zero3_fails_only_the_grad_check_on_its_backward_reordering(deepspeed_run):
+def test_llama_under_zero3_passes_within_the_reordering_allowance(deepspeed_run):
     """ZeRO-3 passes every module's tensor inputs and outputs through identity autograd Functions
     (deepspeed/runtime/zero/parameter_offload.py). A tensor a module uses twice beside a residual
     skip (RMSNorm's input: pow and multiply) then sums its two uses before the skip's gradient,
     where the plain model adds them in another order: at W = 1 the gradients are bitwise those of
     the plain model with such identity Functions on every module, a few ulps of each tensor's
-    largest element from the plain model's, beyond the grad check's reduction-order bound. The
-    trajectory stays inside its envelope. When the error model covers backward reorderings these
-    cells pass, and this test is to say so."""
+    largest element from the plain model's and far beyond the reduction-order bound. The grad
+    check admits it as a reordering (docs/error_model.md, 'Reordered accumulation') and the bias
+    check stands down from step 1, saying why; ZeRO-1/2, which add no such Functions, keep it."""
     _, cells = deepspeed_run
     for cell in _cells(cells, "llama", ("deepspeed_zero3",)):
-        assert cell["verdict"] == "fail" and cell["first_check"] == "grad", (cell["cell_id"], cell["verdict"],
-                                                                            cell["first_check"], cell["error"])
-        assert cell["first_divergence"]["step"] == 1, cell["first_divergence_text"]
-        for optimizer, checks in cell["checks"].items():
-            assert checks["trajectory"]["margin"] < 1, (cell["cell_id"], optimizer, checks["trajectory"])
+        assert cell["verdict"] == "pass", (cell["cell_id"], cell["first_divergence_text"] or cell["error"])
+        assert "bias check off from step 1" in cell["bias_not_applied"], (cell["cell_id"], cell["bias_not_applied"])
+        assert "within the reordering allowance" in cell["bias_not_applied"], cell["bias_not_applied"]
