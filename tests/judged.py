@@ -39,8 +39,10 @@ def assert_judged(out: Path, cell: dict, steps: int, padding: bool) -> None:
     on steps 1..`steps` (a loss and every tolerance check at each step), and every check compared
     elements (buffers: when the case's model has any). `padding`: whether the cell has padded raw shards (impl=ours and its subclasses,
     except ZeRO-1, whose parameters stay whole); fsdp2 and the plain module expose none, and there
-    the padding check must have compared nothing."""
+    the padding check must have compared nothing. A cell whose bias check the judge turned off from
+    step 1 (its `bias_not_applied` note: a reordered local backward) compared nothing there."""
     kinds = sorted(o.kind for o in get_case(cell["case"]).optimizers)
+    bias_off = (cell.get("bias_not_applied") or "").startswith("bias check off from step 1:")
     has_buffers = any(True for _ in get_case(cell["case"]).build_model().buffers())
     assert sorted(cell["optimizers"]) == kinds and sorted(cell["checks"]) == kinds, (cell["cell_id"], cell["optimizers"])
     recorded = steps_recorded(out)
@@ -51,6 +53,8 @@ def assert_judged(out: Path, cell: dict, steps: int, padding: bool) -> None:
             elements = checks[check]["elements"]
             if check == "padding" and not padding:
                 assert elements == 0, (cell["cell_id"], kind, "padding compared elements it should not have")
+            elif check == "bias" and bias_off:
+                assert elements == 0, (cell["cell_id"], kind, "bias compared elements after the judge turned it off")
             elif check == "buffers" and not has_buffers:
                 assert elements == 0, (cell["cell_id"], kind, "buffers compared elements of a model without any")
             else:

@@ -41,8 +41,10 @@ NUMEL_FAMILIES = ("none", "below_w", "w_k_minus_1", "w_k", "w_k_plus_1", "prime"
 PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47)
 
 
-def _own_numel(in_features: int, width: int, bias: bool, tied: bool, gain: bool) -> int:
-    return in_features * width + (width if bias else 0) + (width * width if tied else 0) + int(gain)
+def _own_numel(in_features: int, width: int, bias: bool, tied: bool, gain: bool, fan_out: bool = False,
+               unused: bool = False) -> int:
+    return (in_features * width + (width if bias else 0) + (width * width if tied else 0) + int(gain)
+            + (3 * width * width if fan_out else 0) + (width if unused else 0))
 
 
 @st.composite
@@ -62,16 +64,19 @@ def target_numels(draw, world_size: int, base: int) -> int:
 
 
 @st.composite
-def block_specs(draw, world_size: int, in_features: int, depth: int = 1, scalar_params: bool = True) -> BlockSpec:
+def block_specs(draw, world_size: int, in_features: int, depth: int = 1, scalar_params: bool = True,
+                unused_params: bool = False) -> BlockSpec:
     width = draw(st.integers(1, 5))
-    bias, tied, gain, frozen = (draw(st.booleans()) for _ in range(4))
-    gain = gain and scalar_params  # drawn either way: the same choices give the same other fields
-    aux = draw(_target_numels(world_size, _own_numel(in_features, width, bias, tied, gain)))
+    bias, tied, gain, frozen, fan_out, unused = (draw(st.booleans()) for _ in range(6))
+    # Drawn either way: the same choices give the same other fields.
+    gain = gain and scalar_params
+    unused = unused and unused_params
+    aux = draw(_target_numels(world_size, _own_numel(in_features, width, bias, tied, gain, fan_out, unused)))
     wrap = draw(st.booleans())
-    inner = (draw(_inner_block_specs(world_size, width, depth + 1, scalar_params)) if depth < MAX_NESTING
-             else None)
-    return BlockSpec(width=width, bias=bias, tied=tied, aux_numel=aux, gain=gain, frozen=frozen,
-                     wrap=not wrap, inner=inner)  # wrap=True shrinks to False: prefer wrapped units
+    inner = (draw(_inner_block_specs(world_size, width, depth + 1, scalar_params, unused_params))
+             if depth < MAX_NESTING else None)
+    return BlockSpec(width=width, bias=bias, tied=tied, aux_numel=aux, gain=gain, frozen=frozen, fan_out=fan_out,
+                     unused=unused, wrap=not wrap, inner=inner)  # wrap=True shrinks to False: prefer wrapped units
 
 
 # One strategy object per argument tuple, built once: hypothesis validates and labels every new
@@ -84,28 +89,32 @@ _block_specs = functools.cache(block_specs)
 
 
 @functools.cache
-def _inner_block_specs(world_size: int, in_features: int, depth: int,
-                       scalar_params: bool) -> st.SearchStrategy[BlockSpec | None]:
-    return st.none() | _block_specs(world_size, in_features, depth, scalar_params)
+def _inner_block_specs(world_size: int, in_features: int, depth: int, scalar_params: bool,
+                       unused_params: bool) -> st.SearchStrategy[BlockSpec | None]:
+    return st.none() | _block_specs(world_size, in_features, depth, scalar_params, unused_params)
 
 
-def model_specs(world_size: int, accumulations: tuple[int, ...] = (1, 2),
-                scalar_params: bool = True) -> st.SearchStrategy[ModelSpec]:
+def model_specs(world_size: int, accumulations: tuple[int, ...] = (1, 2), scalar_params: bool = True,
+                unused_params: bool = False) -> st.SearchStrategy[ModelSpec]:
     """Models for a pool of `world_size` ranks (checked here, not at the first draw); with
-    `scalar_params` False, none with a 0-d parameter."""
+    `scalar_params` False, none with a 0-d parameter. `unused_params` (off by default) also draws
+    blocks with a parameter the forward never reads, which has no gradient: off until the harness
+    and impl judge parameters without gradients (issue 30; until then every such model errors with
+    'full_grads lack parameters')."""
     if world_size < 1:
         raise ValueError(f"model_specs world_size={world_size} must be >= 1")
     if not accumulations or any(a not in (1, 2) for a in accumulations):
         raise ValueError(f"model_specs accumulations={accumulations} must be a non-empty subset of (1, 2)")
-    return _model_specs(world_size, accumulations, scalar_params)
+    return _model_specs(world_size, accumulations, scalar_params, unused_params)
 
 
 @st.composite
-def _model_specs(draw, world_size: int, accumulations: tuple[int, ...], scalar_params: bool) -> ModelSpec:
+def _model_specs(draw, world_size: int, accumulations: tuple[int, ...], scalar_params: bool,
+                 unused_params: bool) -> ModelSpec:
     in_features = draw(st.integers(1, 5))
     blocks, width = [], in_features
     for _ in range(draw(st.integers(1, 3))):
-        block = draw(_block_specs(world_size, width, 1, scalar_params))
+        block = draw(_block_specs(world_size, width, 1, scalar_params, unused_params))
         blocks.append(block)
         while block.inner is not None:
             block = block.inner
@@ -168,15 +177,16 @@ def warm_up_spec(world_size: int) -> ModelSpec:
     return ModelSpec(world_size, 2, 1, (BlockSpec(width=2, inner=BlockSpec(width=1)),), OPTIMIZERS[0])
 
 
-def specs_for(world_size: int, impl: str) -> st.SearchStrategy[ModelSpec]:
+def specs_for(world_size: int, impl: str, unused_params: bool = False) -> st.SearchStrategy[ModelSpec]:
     """The models `impl` can take: micro-batches per step as the adapter maps them (an adapter
-    that owns the step may map only one), 0-d parameters only where it shards them."""
+    that owns the step may map only one), 0-d parameters only where it shards them; parameters
+    without gradients only with `unused_params` (see model_specs)."""
     from cases.features import Features
     from harness.adapters.registry import resolve_impl
 
     adapter = resolve_impl(impl)
     accumulations = (1, 2) if adapter.unsupported(Features(grad_accum=2)) is None else (1,)
-    return model_specs(world_size, accumulations, adapter.shards_scalar_params)
+    return model_specs(world_size, accumulations, adapter.shards_scalar_params, unused_params)
 
 
 def replay_command(spec: ModelSpec, faults: tuple[str, ...], impl: str = "ours") -> str:
@@ -197,7 +207,8 @@ def _fuzz_settings(max_examples: int, phases: tuple[Phase, ...]) -> settings:
                     suppress_health_check=list(HealthCheck), print_blob=False, phases=phases)
 
 
-def draw_specs(world_size: int, max_examples: int, seed: int, impl: str = "ours") -> list[ModelSpec]:
+def draw_specs(world_size: int, max_examples: int, seed: int, impl: str = "ours",
+               unused_params: bool = False) -> list[ModelSpec]:
     """The models hypothesis's generate phase hands the property for this seed, in order, drawn
     without running any: its choices depend on the examples' outcomes only once one fails or is
     rejected, so until then these are the examples `fuzz` judges, whatever the pools' timing."""
@@ -205,7 +216,7 @@ def draw_specs(world_size: int, max_examples: int, seed: int, impl: str = "ours"
 
     @hypothesis_seed(seed)
     @_fuzz_settings(max_examples, (Phase.generate,))
-    @given(specs_for(world_size, impl))
+    @given(specs_for(world_size, impl, unused_params))
     def draw(spec: ModelSpec) -> None:
         specs.append(spec)
 
@@ -214,8 +225,9 @@ def draw_specs(world_size: int, max_examples: int, seed: int, impl: str = "ours"
 
 
 def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: tuple[str, ...] = (),
-         on_example=None, impl: str = "ours") -> FuzzStats:
+         on_example=None, impl: str = "ours", unused_params: bool = False) -> FuzzStats:
     """Run hypothesis against the pool; stats.failures[-1] is the shrunk example when it failed.
+    `unused_params`: also draw parameters without gradients (off: see model_specs).
 
     [Note: Examples side by side]
     Hypothesis hands its property one example at a time, yet a pool group (harness/fuzz/pool.py)
@@ -240,7 +252,7 @@ def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: 
             on_example(stats, result)
 
     # Judged ahead: the generate phase, every pool busy.
-    specs = iter(draw_specs(world_size, max_examples, seed, impl))
+    specs = iter(draw_specs(world_size, max_examples, seed, impl, unused_params))
     pending: collections.deque = collections.deque()
     last, last_cpu = time.perf_counter(), time.process_time()
     stop = False
@@ -268,7 +280,7 @@ def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: 
 
     @hypothesis_seed(seed)
     @_fuzz_settings(max_examples, (Phase.generate, Phase.shrink))
-    @given(specs_for(world_size, impl))
+    @given(specs_for(world_size, impl, unused_params))
     def prop(spec: ModelSpec) -> None:
         nonlocal position
         key = spec.to_json()
