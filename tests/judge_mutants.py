@@ -58,7 +58,7 @@ def _disable(check: str) -> tuple[tuple[str, str], ...]:
 
 MUTANTS = (
     Mutant("grad_bound_x10", "reduction bound x10", "harness/judge/tolerance.py",
-           (("return self.relative * abs_mean.double()", "return 10 * self.relative * abs_mean.double()"),),
+           (("bound = self.relative * abs_mean.double()", "bound = 10 * self.relative * abs_mean.double()"),),
            (_PLANTED.format("scale-1e-6-identical"),)),
     Mutant("param_bound_sgd_x10", "SGD parameter bound x10", "harness/judge/tolerance.py",
            (("return self._sgd(name, grad_tol, param, state, hyper)",
@@ -92,7 +92,8 @@ MUTANTS = (
            (("return tilt if tilt and not tilt.ratio <= 1 else None", "return None"),),
            (_PLANTED.format("scale-1e-7-split"),)),
     Mutant("update_bias_disabled", "the updates' signs never counted (gradients' still are)", "harness/judge/diff.py",
-           (("        if not step_bounds.clip_may_have_acted:\n", "        if False:\n"),), (_SCALED_STEP,)),
+           (("        if not step_bounds.clip_may_have_acted and step_bounds.reordered_from is None:\n",
+             "        if False:\n"),), (_SCALED_STEP,)),
     Mutant("replicas_disabled", "replica digests never compared", "harness/judge/diff.py",
            (("if len(set(column)) > 1:", "if False:"),), (_PLANTED.format("replica-drift"),)),
     Mutant("buffers_disabled", "rank 0's buffers never compared", "harness/judge/diff.py",
