@@ -4,8 +4,12 @@ Layout of a checkpoint directory:
   metadata.json   {"world_size": W, "flat_params": {name: {"slots": [[fqns, size, offset], ...],
                    "aligned_numel": n}}, "optimizer": {...}}
   rank{r}.pt      {flat_param_name: local shard (padding included),
-                   "optim/<flat_param_name>/<state key>": that shard of the optimizer state,
-                   "optim_scalars/<flat_param_name>/<key>": scalars such as Adam's step}
+                   "optim/<flat_param_name>/<state key>": that shard of the optimizer state, its
+                       parameters' pieces laid out as in the shard (zeros where a piece has none),
+                   "optim_slots/<flat_param_name>": per parameter, whether it has optimizer state,
+                   "optim_scalars/<flat_param_name>/<slot>/<key>": its scalars such as Adam's step}
+The optimizer state is per parameter ([Note: Per-parameter shards] in _handle.py): a parameter
+that never had a gradient has none, and its step count may differ from its neighbours'.
 Files are written to a temporary name and renamed, and loaded with weights_only=True.
 Resharding concatenates the old shards, drops the old uniform tail padding and slices with the new
 layout: offsets and alignment padding do not depend on W ([Note: Alignment] in _flat_param.py).
@@ -56,12 +60,8 @@ def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer |
     payload: dict[str, torch.Tensor] = {}
     for name, handle in flats:
         payload[name] = handle.sharded.detach().clone()
-        state = optimizer.state.get(handle.sharded, {}) if optimizer is not None else {}
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.shape == handle.sharded.shape:
-                payload[f"optim/{name}/{key}"] = value.detach().clone()
-            else:
-                payload[f"optim_scalars/{name}/{key}"] = torch.as_tensor(value).clone()
+        if optimizer is not None:
+            payload.update(_optimizer_payload(name, handle, optimizer))
     # Under HSDP every replica holds the same shards: the first replica writes them.
     replicate_group = flats[0][1].comm.replicate_group
     is_writer = replicate_group is None or dist.get_rank(replicate_group) == 0
@@ -90,15 +90,37 @@ def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer |
         with torch.no_grad():
             handle.sharded.copy_(_reshard(full, handle))
         handle.reshard()
-        if optimizer is None:
+        if optimizer is None or f"optim_slots/{name}" not in shards[0]:
             continue
         keys = {k.split("/", 2)[2] for k in shards[0] if k.startswith(f"optim/{name}/")}
-        state = {key: _reshard(torch.cat([s[f"optim/{name}/{key}"] for s in shards])[:aligned_numel], handle) for key in keys}
-        for k in shards[0]:
-            if k.startswith(f"optim_scalars/{name}/"):
-                state[k.split("/", 2)[2]] = shards[0][k].clone()
-        if state:
-            optimizer.state[handle.sharded] = state
+        flat_state = {key: _reshard(torch.cat([s[f"optim/{name}/{key}"] for s in shards])[:aligned_numel], handle)
+                      for key in keys}
+        has_state = shards[0][f"optim_slots/{name}"].tolist()
+        for i, (piece, (a, b)) in enumerate(zip(handle.pieces, handle.local_bounds)):
+            if not has_state[i]:
+                optimizer.state.pop(piece, None)
+                continue
+            state = {key: flat[a:b].clone() for key, flat in flat_state.items()}
+            scalars = f"optim_scalars/{name}/{i}/"
+            state.update({k[len(scalars):]: v.clone() for k, v in shards[0].items() if k.startswith(scalars)})
+            optimizer.state[piece] = state
+
+
+def _optimizer_payload(name: str, handle, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's optimizer state of one flat parameter's pieces: each elementwise state as one
+    shard-shaped tensor, each scalar per slot, and which slots have state at all."""
+    states = [optimizer.state.get(piece, {}) for piece in handle.pieces]
+    out = {f"optim_slots/{name}": torch.tensor([bool(s) for s in states])}
+    for i, (piece, state) in enumerate(zip(handle.pieces, states)):
+        a, b = handle.local_bounds[i]
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.shape == piece.shape:
+                flat = out.setdefault(f"optim/{name}/{key}",
+                                      torch.zeros(handle.layout.shard_numel, dtype=value.dtype, device=value.device))
+                flat[a:b] = value.detach()
+            else:
+                out[f"optim_scalars/{name}/{i}/{key}"] = torch.as_tensor(value).clone()
+    return out
 
 
 def _reshard(full_aligned: torch.Tensor, handle) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from impl._collectives import all_reduce_max, all_reduce_sum
+from impl.api import units
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -20,21 +21,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"clip_grad_norm_: norm_type={norm_type} must be > 0 (or inf)")
-    sharded, replicated, group = [], [], None
-    for module in model.modules():
-        unit = module.__dict__.get("_fsdp_unit")
-        flat = {h.param_name: h for h in unit.handles} if unit else {}
-        for name, param in module._parameters.items():
-            if param is None or param.grad is None:
-                continue
-            handle = flat.get(name)
-            if handle is None:
-                replicated.append(param.grad)
+    sharded, replicated, group, held = [], [], None, set()
+    for _, unit in units(model):
+        for handle in unit.handles:
+            held.update(id(p) for p in handle.pieces)
+            grad = handle.sharded_grad  # the pieces' gradients are slices of it
+            if grad is None:
                 continue
             if group is not None and handle.comm.shard_group is not group:
                 raise ValueError("clip_grad_norm_: units shard over different process groups")
             group = handle.comm.shard_group
-            sharded.append(param.grad)
+            sharded.append(grad)
+    replicated = [p.grad for p in model.parameters() if id(p) not in held and p.grad is not None]
     grads = sharded + replicated
     if not grads:
         return torch.tensor(0.0)

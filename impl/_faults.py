@@ -4,6 +4,10 @@
 the default empty set every check below is a set-membership test that is never true. The
 catalog exists so the harness can prove its tolerances still catch real bugs (the mutants
 verb); no production code path depends on it. Nothing here is global state.
+
+Newer faults reach impl/ as hook objects at named seams instead (`Seams`, built once per unit by
+`seams_for`): an honest unit gets the base class, whose every hook changes nothing, so production
+code calls the hook without asking which fault, if any, is planted.
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ FAULTS: dict[str, str] = {
     "buffers_zeroed_at_wrap": "fully_shard zeroes the buffers of the modules it wraps (BatchNorm's running "
                               "variance becomes 0), as a wrap that re-created the module's storage and copied "
                               "back its parameters only",
+    "unused_params_stepped": "a parameter that had no gradient on any rank gets a zero one, so the optimizer "
+                             "steps it (weight decay, moments, AdamW's step count), as when a unit's flat "
+                             "parameter was stepped whole",
+    "reduce_at_last_gradient": "a unit starts its reduction when its last view gets a gradient on this rank (or at "
+                               "the end of backward), a moment ranks that give different parameters a gradient "
+                               "do not share: their collectives fall out of step",
 }
 GRAD_SCALE_FAULTS = {"grad_scale_1e-5": 1e-5, "grad_scale_1e-6": 1e-6, "grad_scale_1e-7": 1e-7}
 
@@ -40,3 +50,39 @@ def validate_faults(faults: frozenset[str]) -> frozenset[str]:
     if unknown:
         raise ValueError(f"unknown fault(s) {unknown}; known: {sorted(FAULTS)}")
     return frozenset(faults)
+
+
+class Seams:
+    """The hooks of impl/ where a planted fault may act; this base class is the honest behaviour."""
+
+    def used_slots(self, used: list[bool]) -> list[bool]:
+        """Per slot of a flat parameter, whether some rank had a gradient for it in the reduction
+        just completed ([Note: Gradients with their used flags] in impl/_handle.py)."""
+        return used
+
+    def reduce_at_last_gradient(self) -> bool:
+        """Whether a unit reduces as soon as its last view got a gradient on this rank, instead of
+        at the next point every rank agrees on ([Note: Rank-consistent reductions] in impl/_unit.py)."""
+        return False
+
+
+class _StepUnusedParams(Seams):
+    def used_slots(self, used: list[bool]) -> list[bool]:
+        return [True] * len(used)
+
+
+class _ReduceAtLastGradient(Seams):
+    def reduce_at_last_gradient(self) -> bool:
+        return True
+
+
+SEAM_FAULTS: dict[str, type[Seams]] = {"unused_params_stepped": _StepUnusedParams,
+                                       "reduce_at_last_gradient": _ReduceAtLastGradient}
+
+
+def seams_for(faults: frozenset[str]) -> Seams:
+    """The hook object of a unit built with `faults` (the honest one when none acts at a seam)."""
+    planted = sorted(set(faults) & SEAM_FAULTS.keys())
+    if len(planted) > 1:
+        raise ValueError(f"faults {planted} act at the same seams; plant one of them at a time")
+    return SEAM_FAULTS[planted[0]]() if planted else Seams()

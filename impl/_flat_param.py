@@ -167,6 +167,17 @@ class FlatLayout:
             if a < end and b > start
         )
 
+    def local_slot_bounds(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """Per slot, [start, end) of its elements inside `rank`'s shard, shard-local; (0, 0) for a
+        slot with no element there. The slices of the shard the optimizer steps ([Note:
+        Per-parameter shards] in impl/_handle.py)."""
+        start, end = self.shard_bounds(rank)
+        out = []
+        for slot in self.slots:
+            lo, hi = max(slot.offset, start), min(slot.end, end)
+            out.append((lo - start, hi - start) if lo < hi else (0, 0))
+        return tuple(out)
+
     def locate(self, flat_index: int) -> tuple[int, int]:
         """(owning rank, index inside that rank's shard) of an element of the padded buffer."""
         if not 0 <= flat_index < self.padded_numel:

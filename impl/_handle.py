@@ -1,9 +1,38 @@
 """One flat parameter's sharded/unsharded lifecycle: all-gather, views, reduce-scatter.
 
-The sharded flat parameter (1-D, `shard_numel` elements, padding included) is what the module
-registers and what the optimizer updates. The unsharded buffer is a separate tensor whose storage
-exists only between unshard() and reshard(); the original parameters are views into it (see
-[Note: Views into the unsharded buffer]).
+The sharded flat parameter (1-D, `shard_numel` elements, padding included) is this rank's shard
+of the padded flat buffer; the module registers, and the optimizer updates, one slice of it per
+original parameter ([Note: Per-parameter shards]). The unsharded buffer is a separate tensor whose
+storage exists only between unshard() and reshard(); the original parameters are views into it
+(see [Note: Views into the unsharded buffer]).
+
+[Note: Per-parameter shards]
+The optimizer must see each original parameter as a tensor of its own: torch's optimizers skip a
+parameter whose .grad is None (no weight decay, no moment update, and AdamW's step count, which
+sets its bias correction, stays behind), and a parameter no loss term reached this step has no
+gradient in the plain model. One flat tensor per unit would be stepped whole, moving every
+parameter of the unit with it. So each original parameter's elements in this rank's shard (its
+"piece", `local_slot_bounds`) are an nn.Parameter viewing the shard's storage, registered under
+the parameter's own name on each of its owners: `model.named_parameters()` are the plain model's
+names, each a 1-D local piece (empty on a rank that holds none of it), and every optimizer state
+is per parameter. The padding belongs to no piece, so no optimizer ever writes it. A piece's
+gradient is the same slice of the reduced shard gradient, or None when the parameter had no
+gradient on any rank ([Note: Gradients with their used flags]). At W = 1 without a cast the
+pieces are the whole parameters and the forward views them directly: autograd accumulates into
+each piece as into the plain model's parameter. Whatever replaces the pieces' storage (to_empty(),
+.to()) is undone at the next forward: the shard is rebuilt from the pieces and they view it again.
+
+[Note: Gradients with their used flags]
+Whether a parameter has a gradient must be decided alike on every rank: with split data an
+expert no token of rank 0's batch chose may get tokens on rank 1, and then the plain model over
+the global batch gives it a gradient. Each rank therefore sends, with its shard of the
+reduce-scatter input, one flag per slot (1 where any view of the slot got a gradient from
+autograd on this rank, in any micro-batch since the last reduction), and the sum comes back with
+its gradient shard: a slot is used when any rank's flag is set (HSDP adds the replicas' flags in
+the same all-reduce as their gradients). No collective is added, and every rank reduces every
+unit whose views were handed out with gradients enabled, zeros where none came, so that the
+collectives stay in step. When the reduction comes is [Note: Rank-consistent reductions] in
+impl/_unit.py.
 
 [Note: Views into the unsharded buffer]
 Each forward hands every owner of every parameter its own view of the unsharded buffer, made an
@@ -12,19 +41,24 @@ autograd as soon as it is accumulated (a post-accumulate-grad hook): the first o
 kept as it is (autograd's own tensor, no copy), later ones (a tied parameter's other uses) are
 added into it and dropped at once, so a tied embedding and output head (two owners, two views)
 never hold two gradients nor a third tensor for their sum. When every view handed out has
-reported, the unit reshards, the slot gradients are packed into one padded gradient (each freed
-once copied) and reduce-scattered; views that get no gradient (unused parameters) are reduced by
-the root's end-of-backward callback. Nothing padded is allocated before the unit's last gradient:
-a root whose tied head gets its gradient at the start of backward holds that gradient alone, not
-a padded buffer beside it, until its embedding's gradient arrives at the end.
+reported, the unit reshards; once the unit's backward is over on every rank ([Note:
+Rank-consistent reductions] in impl/_unit.py), the slot gradients are packed into one padded
+gradient (each freed once copied) and reduce-scattered; views that get no gradient (unused
+parameters) contribute zeros and an unset flag ([Note: Gradients with their used flags]).
+Nothing padded is allocated before the unit's last gradient: a root whose tied head gets its
+gradient at the start of backward holds that gradient alone, not a padded buffer beside it,
+until its embedding's gradient arrives at the end.
 
 [Note: Overlapped gradient reduction]
-A unit's reduce-scatter starts when its last gradient is in and is waited on when the next unit
-starts its own, or at the end of backward (the root's callback): the backend communicates while
-autograd computes the next unit's backward. At most one is in flight (shared through the root's
-GradReducer), so besides the unsharded gradient being accumulated a rank holds at most one more
-waiting for the network. The collective and its input are those of a blocking reduce-scatter,
-so the result is bitwise the same; averaging, padding and the add into .grad follow the wait.
+A unit's reduce-scatter starts once its backward is over, at the first point every rank agrees
+on (the pre-backward of a unit whose forward ended before this one's began, or the end of
+backward: [Note: Rank-consistent reductions] in impl/_unit.py), and is waited on when the next
+unit starts its own, or at the end of backward (the root's callback): the backend communicates
+while autograd computes the next unit's backward. At most one is in flight (shared through the
+root's GradReducer), so besides the unsharded gradient being accumulated a rank holds at most
+one more waiting for the network. The collective and its input are those of a blocking
+reduce-scatter, so the result is bitwise the same; averaging, padding and the add into .grad
+follow the wait.
 
 [Note: Releasing unsharded parameters]
 A unit's unsharded parameters are needed in backward only by ops that saved them in forward.
@@ -69,14 +103,14 @@ views are one `torch.split` of it: no copy, no collective, and gradients accumul
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, auto
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from impl._faults import GRAD_SCALE_FAULTS
+from impl._faults import GRAD_SCALE_FAULTS, Seams
 from impl._collectives import CommStats, all_gather_into, all_reduce_sum, reduce_scatter_sum
 from impl._flat_param import FlatLayout, flatten_padded, shard_of, unflatten_views, zero_padding_
 
@@ -100,6 +134,7 @@ class CommConfig:
     faults: frozenset[str]
     stats: CommStats | None
     compute_device: torch.device | None = None  # set by CPU offload: shards live on the CPU
+    seams: Seams = field(default_factory=Seams)  # planted faults' hook objects (impl/_faults.py)
 
     @property
     def data_parallel_size(self) -> int:
@@ -115,9 +150,10 @@ class FlatParamHandle:
         slot_owners: list[list[tuple[nn.Module, str]]],
         comm: CommConfig,
         requires_grad: bool,
+        sharded: torch.Tensor,
     ) -> None:
         self.module = module
-        self.param_name = param_name  # the sharded flat parameter's name on `module`
+        self.param_name = param_name  # the flat parameter's name (raw shards, checkpoints); not registered
         self.layout = layout
         self.slot_owners = slot_owners
         self.comm = comm
@@ -140,12 +176,64 @@ class FlatParamHandle:
         self._pending: tuple | None = None  # (work, input) of an all-gather in flight
         self.reducer = GradReducer()  # the root's, shared by every unit under it, after its first forward
         self.sync_grads = True  # False: keep accumulating the unsharded gradient (no_sync)
+        # Gradient-tracking views were handed out, or gradients came, since the last reduction: the
+        # unit reduces at its next rank-consistent point ([Note: Rank-consistent reductions]).
+        self.reduce_due = False
+        # [Note: Per-parameter shards]: this rank's shard (shard_numel,) and, per slot, the piece of
+        # it the optimizer steps, registered under the parameter's names by fully_shard.
+        self._sharded = sharded
+        self.local_bounds = layout.local_slot_bounds(comm.shard_rank)
+        self.pieces = [nn.Parameter(sharded[a:b], requires_grad=requires_grad) for a, b in self.local_bounds]
+        self._sharded_grad: torch.Tensor | None = None  # the shard gradient the pieces' gradients slice
 
     # -- layout -------------------------------------------------------------------------------
     @property
-    def sharded(self) -> nn.Parameter:
-        # Read through the module: to_empty()/to() may swap the registered Parameter object.
-        return self.module._parameters[self.param_name]
+    def sharded(self) -> torch.Tensor:
+        """This rank's padded shard (shard_numel,); the pieces view it ([Note: Per-parameter shards])."""
+        return self._sharded
+
+    def bind_pieces(self) -> None:
+        """Make every piece a view of the shard again where something replaced them or their
+        storage (to_empty() off the meta device registers new Parameter objects, one per owner even
+        for a tied parameter; .to() gives each its own storage): the pieces are read back from
+        their first owners and registered on every owner, and the shard is rebuilt on their device
+        and dtype from their values, padding zero. A no-op while they view it."""
+        pieces = [owners[0][0]._parameters[owners[0][1]] for owners in self.slot_owners]
+        flat = self._sharded
+        if all(p is q for p, q in zip(pieces, self.pieces)) and all(
+                _is_slice(p.data, flat, a) for p, (a, _) in zip(pieces, self.local_bounds)):
+            return
+        ref = pieces[0].data
+        flat = torch.zeros(self.layout.shard_numel, dtype=ref.dtype, device=ref.device)
+        with torch.no_grad():
+            for piece, owners, (a, b) in zip(pieces, self.slot_owners, self.local_bounds):
+                if not ref.is_meta:
+                    flat[a:b].copy_(piece.data)
+                piece.data = flat[a:b]
+                for module, attr in owners:
+                    module._parameters[attr] = piece
+        self._sharded, self.pieces = flat, pieces
+
+    @property
+    def sharded_grad(self) -> torch.Tensor | None:
+        """This rank's padded shard gradient (shard_numel,), whose slices are the pieces' gradients
+        (zeros where a piece has none, and in the padding); None when no piece has one. Gradients set
+        elsewhere (autograd's own at W = 1 without a cast, a user's) are copied into one buffer
+        first and the pieces pointed at it, so its slices and theirs stay the same tensors."""
+        grads = [p.grad for p in self.pieces]
+        if all(g is None for g in grads):
+            return None
+        flat = self._sharded_grad
+        if flat is not None and all(g is None or _is_slice(g, flat, a) for g, (a, _) in zip(grads, self.local_bounds)):
+            return flat
+        ref = next(g for g in grads if g is not None)
+        flat = torch.zeros(self.layout.shard_numel, dtype=ref.dtype, device=ref.device)
+        for p, g, (a, b) in zip(self.pieces, grads, self.local_bounds):
+            if g is not None:
+                flat[a:b].copy_(g)
+                p.grad = flat[a:b]
+        self._sharded_grad = flat
+        return flat
 
     @property
     def fqns(self) -> list[str]:
@@ -200,6 +288,7 @@ class FlatParamHandle:
         return local
 
     def check_materialized(self, unit_name: str) -> None:
+        self.bind_pieces()
         if self.sharded.is_meta:
             raise RuntimeError(
                 f"rank {dist.get_rank() if dist.is_initialized() else 0}: unit '{unit_name}' is "
@@ -270,7 +359,8 @@ class FlatParamHandle:
         """Point every original parameter name at a view of the unsharded buffer."""
         self.assert_state(HandleState.UNSHARDED)
         if self._aliased:
-            views = unflatten_views(self._ensure_leaf(), self.layout)
+            # The pieces are the whole parameters: autograd accumulates into them directly.
+            views = [piece.view(slot.size) for piece, slot in zip(self.pieces, self.layout.slots)]
             for view, owners in zip(views, self.slot_owners):
                 for module, attr in owners:
                     module.__dict__[attr] = view
@@ -303,6 +393,7 @@ class FlatParamHandle:
                 view.register_post_accumulate_grad_hook(functools.partial(self._view_grad_ready, slot_index))
             views.append(view)
         self._num_views_pending += len(views) if track else 0
+        self.reduce_due |= track
         return views
 
     def _params_still_saved(self) -> bool:
@@ -344,10 +435,13 @@ class FlatParamHandle:
             self._slot_grads[slot_index] = grad
         else:
             kept.add_(grad)
-        del grad, kept  # freed before the reduce-scatter below allocates
+        del grad, kept  # freed before the reduce-scatter allocates
+        self.reduce_due = True
         self._num_views_done += 1
         if self._num_views_done == self._num_views_pending:
             self.finish_backward()
+            if self.comm.seams.reduce_at_last_gradient():
+                self.reduce_gradients()
         elif self.release_early and not self.recomputing:
             # Every rank gets here alike; whether it releases is its own count's answer.
             self.release_checked = True
@@ -355,50 +449,79 @@ class FlatParamHandle:
                 self.reshard()  # no backward op left needs the unsharded parameters
 
     def finish_backward(self) -> None:
-        """Reshard, then start reducing the padded gradient (unless accumulating without sync);
-        called when every view handed out has its gradient, and by the root at the end of
-        backward. Resharding first frees the unsharded parameters, which no backward op needs any
-        more, before the reduce-scatter allocates ([Note: Overlapped gradient reduction])."""
+        """Reshard and forget the views handed out: called when every view has its gradient (no
+        backward op needs the unsharded parameters any more, so they are freed before the
+        reduce-scatter allocates: [Note: Overlapped gradient reduction]) and, for views some of
+        which got no gradient on this rank, when the unit's reduction is due. Idempotent."""
         self._views = []  # the next forward hands out fresh leaves
         self._num_views_pending = self._num_views_done = 0
         self.recomputing = self.release_checked = False
         self.reshard()
-        if self.sync_grads and self.has_pending_unsharded_grad():
-            self.reducer.wait()  # before packing: two padded gradients never live side by side
-            self.reducer.start(self, self._pack_padded_grad())
 
-    def _pack_padded_grad(self) -> torch.Tensor:
-        """The slot gradients in one padded unsharded gradient (zero where none came, and in the
-        padding); each slot gradient is freed once copied."""
-        slot_grads, self._slot_grads = self._slot_grads, []
-        sample = next(g for g in slot_grads if g is not None)
-        padded = torch.empty(self.layout.padded_numel, dtype=sample.dtype, device=sample.device)
-        del sample
-        zero_padding_(padded, self.layout.padding_intervals())
-        for i, slot in enumerate(self.layout.slots):
-            target = padded[slot.offset : slot.end].view(slot.size)
-            if slot_grads[i] is None:
-                target.zero_()
-            else:
-                target.copy_(slot_grads[i])
-                slot_grads[i] = None
-        return padded
+    def reduce_gradients(self) -> None:
+        """Finish this backward and, when syncing, start reducing the slot gradients and their used
+        flags; a no-op unless views were handed out with gradients enabled or gradients came since
+        the last reduction. The caller picks the moment: [Note: Rank-consistent reductions]."""
+        self.finish_backward()
+        if self._aliased:
+            # Nothing to reduce: autograd gave the pieces their gradients (None where none came).
+            has_grad = [piece.grad is not None for piece in self.pieces]
+            used = self.comm.seams.used_slots(has_grad) if self.requires_grad else has_grad
+            for piece, had, u in zip(self.pieces, has_grad, used):
+                if u and not had:
+                    piece.grad = torch.zeros_like(piece)
+            return
+        if not (self.sync_grads and self.reduce_due):
+            return
+        self.reduce_due = False
+        self.reducer.wait()  # before packing: two padded gradients never live side by side
+        self.reducer.start(self, self._pack_reduce_input())
 
-    def start_reduce(self, padded_full_grad: torch.Tensor) -> PendingReduce:
-        """Start the reduce-scatter (sum) of the padded gradient; finish_reduce() completes it."""
+    def _pack_reduce_input(self) -> torch.Tensor:
+        """The reduce-scatter's input, (W * (shard_numel + num_slots),): row r is rank r's shard of
+        the padded unsharded gradient (zeros where no gradient came, and in the padding), then one
+        flag per slot, 1 where this rank has a gradient for it ([Note: Gradients with their used
+        flags]); each slot gradient is freed once copied."""
+        layout, world = self.layout, self.comm.shard_world_size
+        shard_numel, num_slots = layout.shard_numel, len(layout.slots)
+        slot_grads = self._slot_grads or [None] * num_slots
+        self._slot_grads = []
+        device = self.comm.compute_device or self.sharded.device
+        rows = torch.empty(world, shard_numel + num_slots, dtype=self.compute_dtype, device=device)
+        rows[:, shard_numel:] = torch.tensor([g is not None for g in slot_grads], dtype=rows.dtype, device=device)
+        body = rows[:, :shard_numel]
+        for start, end in layout.padding_intervals():
+            for r, lo, hi, _ in _row_pieces(shard_numel, start, end):
+                body[r, lo:hi].zero_()
+        for i, slot in enumerate(layout.slots):
+            grad, slot_grads[i] = slot_grads[i], None
+            flat = None if grad is None else grad.reshape(-1)
+            for r, lo, hi, at in _row_pieces(shard_numel, slot.offset, slot.end):
+                if flat is None:
+                    body[r, lo:hi].zero_()
+                else:
+                    body[r, lo:hi].copy_(flat[at:at + hi - lo])
+            del grad, flat
+        return rows.view(-1)
+
+    def start_reduce(self, reduce_input: torch.Tensor) -> PendingReduce:
+        """Start the reduce-scatter (sum) of `_pack_reduce_input`'s rows; finish_reduce() completes it."""
         c = self.comm
-        grad = padded_full_grad
+        grad = reduce_input
         if c.reduce_dtype is not None and grad.dtype != c.reduce_dtype:
             grad = grad.to(c.reduce_dtype)
-        sharded_grad = grad.new_empty(self.layout.shard_numel)
-        work = reduce_scatter_sum(sharded_grad, grad, c.shard_group, c.stats, async_op=True)
-        return PendingReduce(self, work, grad, sharded_grad)
+        reduced = grad.new_empty(self.layout.shard_numel + len(self.layout.slots))
+        work = reduce_scatter_sum(reduced, grad, c.shard_group, c.stats, async_op=True)
+        return PendingReduce(self, work, grad, reduced)
 
-    def finish_reduce(self, sharded_grad: torch.Tensor) -> None:
-        """Average the reduce-scattered sum and add it into the sharded parameter's .grad."""
+    def finish_reduce(self, reduced: torch.Tensor) -> None:
+        """Average the reduce-scattered gradient sum and add it into the gradients of the pieces of
+        the slots some rank had a gradient for; the others keep theirs (None: no gradient)."""
         c = self.comm
         if c.replicate_group is not None:
-            all_reduce_sum(sharded_grad, c.replicate_group, c.stats)
+            all_reduce_sum(reduced, c.replicate_group, c.stats)
+        sharded_grad, flags = reduced[:self.layout.shard_numel], reduced[self.layout.shard_numel:]
+        used = c.seams.used_slots((flags != 0).tolist())
         if "no_grad_average" not in c.faults and c.data_parallel_size > 1:
             sharded_grad.div_(c.data_parallel_size)
         if "grad_nan_one_element" in c.faults and c.shard_rank == c.shard_world_size - 1:
@@ -421,25 +544,36 @@ class FlatParamHandle:
                 sharded_grad[pad_start:pad_end] = 1.0
         else:
             zero_padding_(sharded_grad, padding)
-        self.accumulate_sharded_grad(sharded_grad.to(device=self.sharded.device, dtype=self.sharded.dtype))
+        self.accumulate_sharded_grad(sharded_grad.to(device=self.sharded.device, dtype=self.sharded.dtype), used)
 
-    def accumulate_sharded_grad(self, sharded_grad: torch.Tensor) -> None:
-        param = self.sharded
-        if param.grad is None or "grad_accum_overwrite" in self.comm.faults:
-            param.grad = sharded_grad
-        else:
-            param.grad += sharded_grad
+    def accumulate_sharded_grad(self, sharded_grad: torch.Tensor, used: list[bool]) -> None:
+        """Add a reduced shard gradient into the pieces' gradients, slot by slot where `used`: the
+        first one since the optimizer cleared them becomes the shard gradient the pieces slice."""
+        current = self.sharded_grad
+        overwrite = "grad_accum_overwrite" in self.comm.faults
+        if current is None or overwrite:
+            self._sharded_grad = sharded_grad
+            for piece, (a, b), u in zip(self.pieces, self.local_bounds, used):
+                piece.grad = sharded_grad[a:b] if u or (overwrite and piece.grad is not None) else None
+            return
+        for pad_start, pad_end in self.layout.local_padding_intervals(self.comm.shard_rank):
+            current[pad_start:pad_end] += sharded_grad[pad_start:pad_end]
+        for piece, (a, b), u in zip(self.pieces, self.local_bounds, used):
+            if not u:
+                continue
+            if piece.grad is None:
+                current[a:b].copy_(sharded_grad[a:b])
+                piece.grad = current[a:b]
+            else:
+                piece.grad += sharded_grad[a:b]  # a slice of `current`
 
     def zero_sharded_padding_(self) -> None:
         if "padding_garbage_at_init" in self.comm.faults:
             return
-        # Through .data: at W = 1 the sharded parameter is the autograd leaf whose views an
+        # Through .data: at W = 1 the pieces are autograd leaves viewing the shard, whose views an
         # earlier forward of this unit may have saved; padding is never read by a view, and
         # writing it must not bump their version counter.
         zero_padding_(self.sharded.data, self.layout.local_padding_intervals(self.comm.shard_rank))
-
-    def has_pending_unsharded_grad(self) -> bool:
-        return any(g is not None for g in self._slot_grads)
 
     # -- full tensors ----------------------------------------------------------------------------
     def gather_full(self, sharded: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -509,7 +643,7 @@ class PendingReduce:
     handle: FlatParamHandle
     work: dist.Work | None  # None: nothing communicated (W_shard = 1), the output is ready
     padded_grad: torch.Tensor | None  # the input, alive until the work completes
-    sharded_grad: torch.Tensor  # the output
+    sharded_grad: torch.Tensor  # the output: the shard gradient, then the slots' used flags
 
     def finish(self) -> None:
         if self.work is not None:
@@ -542,3 +676,24 @@ class GradReducer:
 def _storage_refs(tensor: torch.Tensor) -> int:
     """How many tensors (and storage handles) reference `tensor`'s storage."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def _row_pieces(row_numel: int, start: int, end: int):
+    """(row, start in row, end in row, offset from `start`) of each row of a (W, row_numel) view
+    of a padded buffer that [start, end) of the buffer touches."""
+    at = start
+    while at < end:
+        row, lo = divmod(at, row_numel)
+        hi = min(row_numel, lo + end - at)
+        yield row, lo, hi, at - start
+        at += hi - lo
+
+
+def _is_slice(t: torch.Tensor, flat: torch.Tensor, start: int) -> bool:
+    """Whether `t` is the slice of `flat` that starts at element `start` (an empty `t` anywhere on
+    its device and dtype)."""
+    if t.device != flat.device or t.dtype != flat.dtype:
+        return False
+    if t.is_meta:
+        return True  # no storage to tell by; to_empty() moves it off the meta device first
+    return t.numel() == 0 or t.data_ptr() == flat.data_ptr() + start * flat.element_size()

@@ -1,9 +1,10 @@
 """Full state dicts under the original names, and meta-device materialisation.
 
 `model.state_dict()` on a wrapped model is a collective: every unit all-gathers its flat
-parameters and the hook replaces the flat-parameter entries by the original names, so the keys
-equal those of the plain model. `model.load_state_dict(full_sd)` takes original names too: a
-pre-hook slices this rank's shard out of the full tensors.
+parameters and the hook replaces each parameter's local piece ([Note: Per-parameter shards] in
+impl/_handle.py) by the full tensor, under the same names as the plain model's.
+`model.load_state_dict(full_sd)` takes full tensors too: a pre-hook slices this rank's pieces out
+of them, which the owners then load as their parameters.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ def _make_post_hook(unit: FSDPUnit):
     def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
         gathered = _GATHERED.get()
         for handle in unit.handles:
-            state_dict.pop(prefix + handle.param_name, None)
             fulls = gathered.pop(id(handle)) if gathered is not None and id(handle) in gathered else handle.gather_full()
             for slot, full in zip(handle.layout.slots, fulls):
                 for fqn in slot.fqns:
@@ -45,18 +45,13 @@ def _make_post_hook(unit: FSDPUnit):
 def _make_load_pre_hook(unit: FSDPUnit):
     def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         for handle in unit.handles:
-            if prefix + handle.param_name in state_dict:
-                continue  # already in flat form
             missing = [prefix + s.fqn for s in handle.layout.slots if prefix + s.fqn not in state_dict]
             if missing:
                 error_msgs.append(f"missing original parameters for a sharded unit: {missing}")
-                state_dict[prefix + handle.param_name] = handle.sharded.detach()
                 continue
             full = []
             for slot in handle.layout.slots:
-                tensor = state_dict.pop(prefix + slot.fqn)
-                for tied in slot.fqns[1:]:
-                    state_dict.pop(prefix + tied, None)
+                tensor = state_dict[prefix + slot.fqn]
                 if tuple(tensor.shape) != tuple(slot.size):
                     error_msgs.append(
                         f"size mismatch for {prefix + slot.fqn}: checkpoint {tuple(tensor.shape)}, "
@@ -65,7 +60,10 @@ def _make_load_pre_hook(unit: FSDPUnit):
                     tensor = torch.zeros(slot.size, dtype=handle.sharded.dtype)
                 full.append(tensor.to(handle.sharded.dtype))
             local = handle.init_sharded_from([t.to(handle.sharded.device) for t in full])
-            state_dict[prefix + handle.param_name] = local
+            # Each name gets this rank's piece, which its owner loads into its parameter (the piece).
+            for slot, (a, b) in zip(handle.layout.slots, handle.local_bounds):
+                for fqn in slot.fqns:
+                    state_dict[prefix + fqn] = local[a:b]
             handle.reshard()
 
     return hook
@@ -106,6 +104,8 @@ def init_meta_module(model: nn.Module, device: torch.device | str = "cpu") -> nn
     """
     model.to_empty(device=device)
     handles = [h for m in model.modules() if "_fsdp_unit" in m.__dict__ for h in m.__dict__["_fsdp_unit"].handles]
+    for handle in handles:
+        handle.bind_pieces()  # to_empty() gave each piece storage of its own
     handles_of: dict[int, list] = {}  # id(owning module) -> handles holding its parameters
     pending: dict[int, int] = {}  # id(handle) -> owning modules with reset_parameters not yet run
     for handle in handles:
@@ -174,27 +174,28 @@ def full_grad_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full averaged gradients under the plain model's names, on every rank (a collective).
 
     Parameters whose gradient is None are left out, as `p.grad is None` would be in the plain
-    model; a flat parameter with a gradient reports every slot (zeros where nothing flowed).
+    model: a parameter that had no gradient on any rank ([Note: Gradients with their used flags]
+    in impl/_handle.py; the same parameters on every rank, so every rank gathers the same shards).
     """
-    entries: list[tuple[str, torch.Tensor, FlatParamHandle | None]] = []  # (prefix + name, grad, handle)
+    entries: list[tuple[str, FlatParamHandle, torch.Tensor]] = []  # (unit prefix, handle, shard gradient)
+    held: set[int] = set()
     for fqn, module in model.named_modules():
         unit = module.__dict__.get("_fsdp_unit")
-        prefix = f"{fqn}." if fqn else ""
-        for name, param in module._parameters.items():
-            if param is None or param.grad is None:
-                continue
-            handle = next((h for h in unit.handles if h.param_name == name), None) if unit else None
-            entries.append((prefix + name, param.grad.detach(), handle))
-    fulls = iter(gather_full_many([(h, g) for _, g, h in entries if h is not None]))
+        for handle in unit.handles if unit else ():
+            held.update(id(p) for p in handle.pieces)
+            grad = handle.sharded_grad
+            if grad is not None:
+                entries.append((f"{fqn}." if fqn else "", handle, grad.detach()))
+    fulls = gather_full_many([(h, g) for _, h, g in entries])
     grads: dict[str, torch.Tensor] = {}
-    for key, grad, handle in entries:
-        if handle is None:
-            grads[key] = grad.clone()
-            continue
-        prefix = key[: len(key) - len(handle.param_name)]
-        for slot, full in zip(handle.layout.slots, next(fulls)):
-            for tied in slot.fqns:
-                grads[prefix + tied] = full
+    for (prefix, handle, _), full in zip(entries, fulls):
+        for slot, piece, tensor in zip(handle.layout.slots, handle.pieces, full):
+            if piece.grad is not None:
+                for tied in slot.fqns:
+                    grads[prefix + tied] = tensor
+    for name, param in model.named_parameters():
+        if id(param) not in held and param.grad is not None:  # outside every unit: replicated
+            grads[name] = param.grad.detach().clone()
     return grads
 
 
@@ -236,7 +237,7 @@ def local_shards(model: nn.Module) -> list[LocalShard]:
                     world_size=handle.comm.shard_world_size,
                     layout=handle.layout,
                     data=param.clone(),
-                    grad=None if handle.sharded.grad is None else handle.sharded.grad.detach().clone(),
+                    grad=None if handle.sharded_grad is None else handle.sharded_grad.detach().clone(),
                 )
             )
     return shards

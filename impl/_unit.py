@@ -4,10 +4,25 @@ Forward:  pre-hook unshards (all-gather) and points the original names at views;
           post-hook reshards unless reshard_after_forward=False or this is the root, and
           registers a hook on the outputs that re-gathers before this unit's backward.
 Backward: each parameter view's post-accumulate-grad hook keeps its gradient as its slot's (or
-          adds it into it); after the last one the unit reshards and starts its reduce-scatter
-          ([Note: Views into the unsharded buffer], [Note: Overlapped gradient reduction]). The
-          root queues one callback at the end of backward that finishes every unit some of whose
-          views got no gradient and waits for the last reduction.
+          adds it into it); after the last one the unit reshards ([Note: Views into the unsharded
+          buffer]). A unit's reduce-scatter starts at the pre-backward of the next unit whose
+          forward ran before it ([Note: Rank-consistent reductions], [Note: Overlapped gradient
+          reduction]). The root queues one callback at the end of backward that reduces every
+          unit still due and waits for the last reduction.
+
+[Note: Rank-consistent reductions]
+Every rank must issue the same collectives in the same order, but which parameters get a gradient
+may differ between ranks (an expert no token of this rank's batch chose), so "the last view of the
+unit got its gradient" happens on some ranks and never on others. A unit therefore starts its
+reduction only at points every rank's backward passes alike: the pre-backward of a unit Y whose
+last forward ended before the unit's first forward of this iteration began (then every backward
+op of the unit has run: autograd runs ready nodes latest-created first, and every op of the
+unit was created after Y's outputs), or the root's end-of-backward callback; at either point
+every unit due whose forward came later is reduced, latest forward first. Whether this rank gave
+each parameter a gradient travels with the reduction ([Note: Gradients with their used flags] in
+impl/_handle.py). A unit whose last view reports earlier still reshards at once. What this cannot
+make consistent: a unit whose forward runs on some ranks and not on others (its all-gathers fall
+out of step first), or whose backward is reached on some ranks only.
 
 [Note: Implicit prefetch]
 Unless the user chose (set_modules_to_forward_prefetch / ..._backward_prefetch, [] for none),
@@ -64,6 +79,11 @@ class FSDPUnit:
         self._next_in_backward: FSDPUnit | None = None  # the unit whose post-forward came before this one's
         self._last_pre_forward: FSDPUnit | None = None  # as a root: in the forward under way
         self._last_post_forward: FSDPUnit | None = None  # as a root: in the forward under way
+        # [Note: Rank-consistent reductions]: this unit's first pre-forward and last post-forward
+        # of the forward under way, on its root's clock (ticked by both, reset by each forward).
+        self.forward_begin: int | None = None
+        self.forward_end: int | None = None
+        self._clock = 0  # as a root
         self.reducer = GradReducer()  # as a root: the gradient reductions of every unit below it
 
     # -- root ------------------------------------------------------------------------------------
@@ -96,12 +116,31 @@ class FSDPUnit:
         return self.__dict__.get("_root")
 
     def _finalize_backward(self) -> None:
-        for unit in self.all_units:
+        for unit in self._latest_forward_first(self.all_units):
             for handle in unit.handles:
-                handle.finish_backward()  # units whose views did not all get a gradient
+                handle.reduce_gradients()  # every unit still due, some of whose views got no gradient here
             unit.training_state = TrainingState.IDLE
         self.reducer.wait()  # every .grad complete before backward returns
         self._finalize_queued = False
+
+    def _reduce_units_after(self, end: int | None) -> None:
+        """As a root: reduce every unit due whose forward began after `end` ([Note: Rank-consistent
+        reductions])."""
+        if end is None:
+            return
+        later = [u for u in self.all_units if u.forward_begin is not None and u.forward_begin > end]
+        for unit in self._latest_forward_first(later):
+            for handle in unit.handles:
+                if handle.reduce_due:
+                    handle.reduce_gradients()
+
+    @staticmethod
+    def _latest_forward_first(units: list[FSDPUnit]) -> list[FSDPUnit]:
+        return sorted(units, key=lambda u: -1 if u.forward_begin is None else u.forward_begin, reverse=True)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
 
     # -- forward -----------------------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -139,6 +178,7 @@ class FSDPUnit:
         root = self if self.is_root else self._find_root()
         if root is not None:
             self._next_in_backward, root._last_post_forward = root._last_post_forward, self
+            self.forward_end = root._tick()
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
@@ -163,6 +203,9 @@ class FSDPUnit:
     # -- backward ----------------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self._root_queue_finalize()
+        root = self if self.is_root else self._find_root()
+        if root is not None:
+            root._reduce_units_after(self.forward_end)
         self.training_state = TrainingState.PRE_BACKWARD
         for handle in self.handles:
             handle.unshard()
@@ -171,9 +214,14 @@ class FSDPUnit:
     def _record_pre_forward(self) -> None:
         if self.is_root:  # a new forward: every unit of it comes after this one
             self._last_pre_forward = self._last_post_forward = None
+            self._clock = 0
+            for unit in self.all_units:
+                unit.forward_begin = unit.forward_end = None
         root = self if self.is_root else self._find_root()
         if root is None:
             return
+        if self.forward_begin is None:
+            self.forward_begin = root._tick()
         if root._last_pre_forward is not None:
             root._last_pre_forward._next_in_forward = self
         root._last_pre_forward = self

@@ -3,7 +3,11 @@
 Parameters and gradients stay replicated (DDP-like); the optimizer state is sharded. The
 parameters become views into one padded flat buffer per dtype (see [Note: Uniform padding] in
 _flat_param.py); each rank steps an inner optimizer on its shard of that buffer only, then an
-all-gather brings every rank's updated shard back into the full buffer.
+all-gather brings every rank's updated shard back into the full buffer. The inner optimizer holds
+each parameter's piece of the shard as a tensor of its own, and a parameter that had no gradient
+on any rank has none there either, so it is skipped as the plain model's optimizer skips it
+([Note: Per-parameter shards] and [Note: Gradients with their used flags] in _handle.py: the
+flags travel in the gradients' all-reduce).
 """
 
 from __future__ import annotations
@@ -50,8 +54,10 @@ class ZeroRedundancyOptimizer:
             for param, view in zip(self.params, unflatten_views(self.flat, self.layout)):
                 param.data = view  # parameters now live inside the flat buffer
         start, end = self.layout.shard_bounds(self.rank)
-        self.shard = torch.nn.Parameter(self.flat[start:end].clone())
-        self.optim = optimizer_class([self.shard], **defaults)
+        self.shard = self.flat[start:end].clone()
+        self.local_bounds = self.layout.local_slot_bounds(self.rank)
+        self.pieces = [torch.nn.Parameter(self.shard[a:b]) for a, b in self.local_bounds]
+        self.optim = optimizer_class(self.pieces, **defaults)
 
     @property
     def state(self):
@@ -68,11 +74,16 @@ class ZeroRedundancyOptimizer:
     def step(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat_grad = flatten_padded(grads, self.layout)
-        all_reduce_sum(flat_grad, self.group)
+        flags = torch.tensor([p.grad is not None for p in self.params], dtype=flat_grad.dtype, device=flat_grad.device)
+        reduced = torch.cat([flat_grad, flags])  # one all-reduce: the gradients and who had one
+        all_reduce_sum(reduced, self.group)
+        flat_grad, used = reduced[:flat_grad.numel()], (reduced[flat_grad.numel():] != 0).tolist()
         if self.world_size > 1:
             flat_grad.div_(self.world_size)
         start, end = self.layout.shard_bounds(self.rank)
-        self.shard.grad = flat_grad[start:end].clone()
+        shard_grad = flat_grad[start:end].clone()
+        for piece, (a, b), u in zip(self.pieces, self.local_bounds, used):
+            piece.grad = shard_grad[a:b] if u else None
         self.optim.step()
         zero_padding_(self.shard, self.layout.local_padding_intervals(self.rank))
-        all_gather_into(self.flat, self.shard.detach(), self.group)
+        all_gather_into(self.flat, self.shard, self.group)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from impl._collectives import CommStats, group_rank_and_size
-from impl._faults import validate_faults
+from impl._faults import seams_for, validate_faults
 from impl._flat_param import FlatLayout, align_numel_for
 from impl._handle import CommConfig, FlatParamHandle
 from impl._unit import FSDPUnit
@@ -134,6 +134,7 @@ def fully_shard(
             f"fully_shard to sub-modules first, then to their parent and the root."
         )
     faults = validate_faults(frozenset(_faults))
+    seams = seams_for(faults)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     if mesh is not None:
         if process_group is not None or replicate_group is not None:
@@ -162,6 +163,7 @@ def fully_shard(
         faults=faults,
         stats=comm_stats,
         compute_device=None if offload_policy is None else torch.device(offload_policy.compute_device),
+        seams=seams,
     )
     handles = []
     for requires_grad in (True, False):
@@ -267,20 +269,20 @@ def _make_handle(
         align_numel_for(*dtypes),  # [Note: Alignment]: in the sharded and the compute dtype
     )
     param_name = FLAT_PARAM_NAMES[requires_grad]
-    handle = FlatParamHandle(
-        module, param_name, layout, [[(m, n) for m, n, _ in o] for o in owners], comm, requires_grad
-    )
     device, dtype = params[0].device, params[0].dtype
-    if device.type == "meta":
-        local = torch.empty(layout.shard_numel, dtype=dtype, device="meta")
-    else:
+    local = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+    handle = FlatParamHandle(
+        module, param_name, layout, [[(m, n) for m, n, _ in o] for o in owners], comm, requires_grad, local
+    )
+    if device.type != "meta":
         with torch.no_grad():
-            local = handle.init_sharded_from([p.detach() for p in params])
-    for owner_list in owners:
+            local.copy_(handle.init_sharded_from([p.detach() for p in params]))
+    # [Note: Per-parameter shards]: each owner's name now holds this rank's piece of the parameter.
+    for piece, owner_list in zip(handle.pieces, owners):
+        setattr(piece, _OWNER_ATTR, type(module).__name__)
         for sub, name, _ in owner_list:
-            sub._parameters.pop(name, None)
+            sub._parameters[name] = piece
             sub.__dict__[_OWNED_BY_ATTR] = type(module).__name__
-    module.register_parameter(param_name, nn.Parameter(local, requires_grad=requires_grad))
     return handle
 
 

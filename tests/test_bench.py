@@ -36,11 +36,11 @@ def test_bench_smoke_writes_every_figure(tmp_path):
             assert sum(m[name]["peak_by_category"].values()) == m[name]["peak_bytes"] > 0, (name, m)
             assert m[name]["peak_ratio_vs_ideal"] == m[name]["peak_bytes"] / m["ideal_bytes"], (name, m)
         # The tracker's own accounting, against what is known exactly: this rank's 1/W of every
-        # padded flat parameter, and AdamW's two moments of the same size plus one fp32 step count
-        # per flat parameter, are live at the peak.
+        # padded flat parameter, and AdamW's two moments of each parameter's piece of it (padding
+        # excluded) plus one fp32 step count per piece, are live at the peak.
         params = ours["peak_by_category"]["parameters"]
         assert params * w == 4 * ours["padded_numel"], m
-        assert ours["peak_by_category"]["optimizer state"] == 2 * params + 4 * ours["num_flat_params"], m
+        assert ours["peak_by_category"]["optimizer state"] == 2 * 4 * ours["piece_numel"] + 4 * ours["num_pieces"], m
         assert ours["sharded_param_bytes"] == ours["peak_by_category"]["parameters"], m
         assert ours["init_peak_bytes"] >= ours["sharded_param_bytes"], m
         # The RSS of ours measured again with an allocator that returns frees (a second launch).

@@ -112,6 +112,10 @@ def _drop_gradient(snap):
     del snap["steps"][1]["grads"]["layers.0.bias"]
 
 
+def _foreign_gradient(snap):
+    snap["steps"][1]["grads"]["layers.0.bogus"] = snap["steps"][1]["grads"]["layers.0.bias"]
+
+
 def _one_loss_too_many(snap):
     snap["steps"][0]["loss"] = snap["steps"][0]["loss"].repeat(2)
 
@@ -136,7 +140,7 @@ def _reshaped_parameter(snap):
     (_drop_last_step, "steps 1..1 recorded, the plan has steps 1..2"),
     (_repeat_step, "steps [1, 1] recorded, the plan has steps 1..2"),
     (_drop_parameter, "step 1: parameters names differ from the model's parameters: missing ['layers.0.weight']"),
-    (_drop_gradient, "step 2: gradients names differ from the model's parameters: missing ['layers.0.bias']"),
+    (_foreign_gradient, "step 2: gradients name ['layers.0.bogus'], which are not trainable parameters of the model"),
     (_one_loss_too_many, "step 1: loss is (2,), expected one entry per rank (1,)"),
     (_other_run, "(evidence of another run)"),
     (_other_cell, "not of mlp.single.w1.identical"),
@@ -149,6 +153,18 @@ def test_a_snapshot_short_of_the_plan_is_an_error_naming_what_is_missing(run, ed
     assert verdict == "fail"
     assert results[CELL].verdict == "error", results[CELL]
     assert "incomplete evidence" in results[CELL].error and message in results[CELL].error, results[CELL].error
+    assert results["ref.mlp"].verdict == "pass"
+
+
+def test_a_gradient_missing_where_the_plain_model_has_one_fails_naming_it(run):
+    # [Note: Parameters without a gradient]: an implementation that lost a gradient fails the grad
+    # check at that step, naming the parameter; the evidence is complete, so no error.
+    _edit(run, CELL, _drop_gradient)
+    results, verdict = _judge(run)
+    assert verdict == "fail" and results[CELL].verdict == "fail", results[CELL]
+    first = results[CELL].optimizers["sgd"].first_divergence
+    assert (first.step, first.check, first.name, first.lost_gradient) == (2, "grad", "layers.0.bias", True), first
+    assert "no gradient, where the plain model has one" in first.describe(CELL), first.describe(CELL)
     assert results["ref.mlp"].verdict == "pass"
 
 

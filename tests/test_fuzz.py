@@ -253,8 +253,21 @@ def _drop_a_trainable_gradient(spec, reply):
     return reply
 
 
-def test_evidence_the_checks_cannot_read_is_an_error_result_not_a_traceback():
+def test_a_trainable_gradient_left_out_is_a_lost_gradient_naming_the_parameter():
     result = run_example(InProcessAdapterPool(corrupt=_drop_a_trainable_gradient), FROZEN, impl="single")
+    first = result.first_divergence
+    assert not result.ok and result.error is None and first is not None, result
+    assert (first.step, first.check, first.lost_gradient) == (1, "grad", True), first
+
+
+def _reshape_a_trainable_gradient(spec, reply):
+    name = next(iter(reply["grads"][0]))
+    reply["grads"][0][name] = reply["grads"][0][name].reshape(-1, 1)
+    return reply
+
+
+def test_evidence_the_checks_cannot_read_is_an_error_result_not_a_traceback():
+    result = run_example(InProcessAdapterPool(corrupt=_reshape_a_trainable_gradient), FROZEN, impl="single")
     assert not result.ok and result.error is not None and "the checks raised (no verdict)" in result.error, result
 
 
@@ -288,7 +301,7 @@ def _rank1_digest_drifts(spec, replies):
     name = next(iter(last))
     drifted = {**last, name: torch.nextafter(last[name], torch.full_like(last[name], torch.inf))}
     grads = {n: g for n, g in replies[0]["grads"][-1].items()}
-    replies[1]["replicas"][-1] = replica_digests(drifted, grads)
+    replies[1]["replicas"][-1] = replica_digests(drifted, grads, list(grads))
     assert set(last) == {n for n, _ in model.named_parameters()}
     return replies
 

@@ -128,7 +128,7 @@ def test_mixed_precision_equals_a_plain_model_that_casts_the_same_way():
         opt_ref.step()
         opt_ours.zero_grad()
         opt_ref.zero_grad()
-    assert ours.blocks[0]._flat_param.dtype == torch.float32  # master weights stay fp32
+    assert ours.blocks[0].fsdp_unit().handles[0].sharded.dtype == torch.float32  # master weights stay fp32
     assert_same_params(ours, ref)
 
 

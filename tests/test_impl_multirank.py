@@ -47,14 +47,18 @@ def test_padding_stays_zero(ranks):
             assert result["padding_nonzero"] == 0, (rank["rank"], result)
 
 
-def test_sharded_state_bytes_within_one_percent(ranks):
+def test_sharded_state_bytes_are_the_rank_shares(ranks):
+    """Params and gradients: the padded shards; AdamW's moments: per parameter piece, so without
+    the padding ([Note: Per-parameter shards]). Exactly this rank's share, and within 2% of the
+    average (total + padding, moments without) / W: alignment gaps fall into some shards only."""
     for rank in ranks:
         mem = rank["memory"]
         world_size = rank["world_size"]
         print(f"W={world_size} rank {rank['rank']}: sharded params+grads+AdamW state "
-              f"{mem['measured_bytes']} B vs (total + padding) / W = {mem['ideal_bytes']:.0f} B "
+              f"{mem['measured_bytes']} B vs the average share {mem['ideal_bytes']:.0f} B "
               f"(unsharded total {mem['unsharded_state_bytes']} B, ratio {mem['ratio']:.4f})")
-        assert abs(mem["ratio"] - 1.0) <= 0.01, mem
+        assert mem["measured_bytes"] == mem["exact_bytes"], mem
+        assert abs(mem["ratio"] - 1.0) <= 0.02, mem
 
 
 def test_full_state_and_grads_are_one_all_gather_each_and_bitwise(ranks):

@@ -68,11 +68,18 @@ def test_bitwise_equal_to_plain_model(factory, batch, loss_fn):
         assert torch.equal(full[name], tensor), name
 
 
-def test_parameters_are_local_flat_shards():
-    model = wrap_nested(MLP())
-    names = [n for n, _ in model.named_parameters()]
-    assert names == ["layers.0._flat_param", "layers.1._flat_param", "layers.2._flat_param"]
+def test_parameters_are_local_pieces_of_one_flat_shard_per_unit():
+    # [Note: Per-parameter shards]: the plain model's names, each a 1-D slice of its unit's shard.
+    plain = MLP()
+    model = wrap_nested(copy.deepcopy(plain))
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
     assert all(p.dim() == 1 for p in model.parameters())
+    handles = [h for _, unit in impl.units(model) for h in unit.handles]
+    assert len(handles) == 3
+    for handle in handles:
+        for piece, (start, end) in zip(handle.pieces, handle.local_bounds):
+            assert piece.data_ptr() == handle.sharded.data_ptr() + start * piece.element_size()
+            assert piece.numel() == end - start
 
 
 def test_load_full_state_dict_roundtrip():
@@ -183,7 +190,8 @@ def test_frozen_parameters_get_their_own_flat_parameter():
     ref = MLP()
     ref.layers[0].weight.requires_grad_(False)
     ours = wrap_nested(copy.deepcopy(ref))
-    assert [n for n, _ in ours.named_parameters()][:2] == ["layers.0._flat_param", "layers.0._flat_param_frozen"]
+    assert [h.param_name for h in ours.layers[0].fsdp_unit().handles] == ["_flat_param", "_flat_param_frozen"]
+    assert [n for n, p in ours.named_parameters() if not p.requires_grad] == ["layers.0.weight"]
     opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
     opt_ours = torch.optim.SGD([p for p in ours.parameters() if p.requires_grad], lr=0.1)
     for step in range(3):

@@ -162,6 +162,7 @@ def memory_row(cfg: BenchConfig, work: Path, config: str, world_size: int, impls
             row["largest_unit_bytes"] = ranks[0]["largest_unit_bytes"]
             row["ours"]["padded_numel"] = ranks[0]["padded_numel"]
             row["ours"]["num_flat_params"] = ranks[0]["num_flat_params"]
+            row["ours"]["piece_numel"], row["ours"]["num_pieces"] = worst["piece_numel"], worst["num_pieces"]
     unsharded_unit = 2 * row["largest_unit_bytes"] if world_size > 1 else 0
     row["ideal_bytes"] = row["plain_weighted_peak_bytes"] + unsharded_unit
     for name in impls:

@@ -89,13 +89,16 @@ def lm_batch(cfg: TransformerConfig, batch: int, seq: int, seed: int = 0):
 
 def theory_bytes(model: torch.nn.Module) -> dict[str, int]:
     """FULL_SHARD per step: every non-root unit all-gathers twice (forward, backward), the root
-    once (it is not resharded after forward); every unit reduce-scatters its gradient once."""
+    once (it is not resharded after forward); every unit reduce-scatters its gradient once, each
+    rank's shard followed by one used flag per parameter ([Note: Gradients with their used flags]
+    in impl/_handle.py)."""
     ag = rs = 0
     for _, unit in impl.units(model):
         for handle in unit.handles:
             nbytes = handle.layout.padded_numel * handle.sharded.element_size()
             ag += nbytes * (1 if unit.is_root else 2)
-            rs += nbytes if handle.requires_grad else 0
+            flags = handle.layout.world_size * len(handle.layout.slots) * handle.sharded.element_size()
+            rs += nbytes + flags if handle.requires_grad else 0
     return {"all_gather": ag, "reduce_scatter": rs}
 
 
@@ -274,7 +277,11 @@ def run_memory(args, rank: int, world_size: int) -> dict:
         _materialise(model, args.impl)
         init_mem.phase("end")
     init_peak = init_mem.peak()
-    sharded_param_bytes = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+    if args.impl == "ours":  # the padded shards, which every parameter's piece views
+        sharded_param_bytes = sum(h.sharded.numel() * h.sharded.element_size() for _, u in impl.units(model)
+                                  for h in u.handles)
+    else:
+        sharded_param_bytes = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
 
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     lm_loss(model(x), y).backward()  # warm-up: optimizer state and unsharded buffers exist after it
@@ -314,6 +321,11 @@ def run_memory(args, rank: int, world_size: int) -> dict:
         out["largest_unit_bytes"] = max(h.layout.padded_numel * 4 for _, u in impl.units(model) for h in u.handles)
         out["padded_numel"] = sum(h.layout.padded_numel for _, u in impl.units(model) for h in u.handles)
         out["num_flat_params"] = sum(len(u.handles) for _, u in impl.units(model))
+        # The optimizer's tensors: each parameter's piece of this rank's shards, padding excluded
+        # ([Note: Per-parameter shards] in impl/_handle.py).
+        trainable = [h for _, u in impl.units(model) for h in u.handles if h.requires_grad]
+        out["piece_numel"] = sum(b - a for h in trainable for a, b in h.local_bounds)
+        out["num_pieces"] = sum(len(h.pieces) for h in trainable)
     if args.impl == "plain":
         w = args.as_world_size
         ideal = mem.weighted_peak({c: 1.0 / w for c in live_memory.STATE}, grad_numels)

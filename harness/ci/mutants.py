@@ -18,6 +18,7 @@ largest |diff| / tol of every tolerance check over every honest cell and corpus 
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 import uuid
@@ -46,6 +47,7 @@ FAULT_CASES = {
     "no_grad_average": ("mixed_precision", "mixed_precision_bf16_reduce"),
     "replica_grad_drift": ("no_shard", "hybrid_shard"),
     "buffers_zeroed_at_wrap": ("batchnorm",),  # identical data only: BatchNorm refuses split
+    "unused_params_stepped": ("unused_head",),
 }
 # Real architectures (cases/architectures.py): every fault runs on each too, honestly and planted,
 # and the per-case table shows it caught on each. A fault that acts only under a feature a case
@@ -57,6 +59,8 @@ FAULT_NEEDS = {
     "replica_grad_drift": "replicated shards (HSDP or NO_SHARD)",
     "tied_param_duplicated": "a parameter with two names (tied weights)",
     "buffers_zeroed_at_wrap": "module buffers",
+    "unused_params_stepped": "a parameter without a gradient (no loss term reaches it)",
+    "reduce_at_last_gradient": "a parameter one rank's batch gives a gradient and another's does not (split data)",
 }
 
 
@@ -78,10 +82,47 @@ def fault_cannot_act(fault: str, case_name: str) -> str | None:
         "replica_grad_drift": lambda: features.mesh != "shard",
         "tied_param_duplicated": lambda: _has_tied_parameter(case.build_model()),
         "buffers_zeroed_at_wrap": lambda: any(True for _ in case.build_model().buffers()),
+        "unused_params_stepped": lambda: _has_parameter_without_gradient(case),
+        "reduce_at_last_gradient": lambda: _has_rank_dependent_gradient(case),
     }
-    if fault in ("tied_param_duplicated", "buffers_zeroed_at_wrap") and case.missing_requirements():
+    if fault in ("tied_param_duplicated", "buffers_zeroed_at_wrap", "unused_params_stepped",
+                 "reduce_at_last_gradient") and case.missing_requirements():
         return f"unknown without {', '.join(case.missing_requirements())}"
     return None if flags[fault]() else f"n/a: needs {need}"
+
+
+def _has_parameter_without_gradient(case) -> bool:
+    """Whether the plain model's first step leaves a trainable parameter without a gradient."""
+    from harness.judge.shadow import forward_backward
+
+    model = case.build_model()
+    inputs, targets = case.make_batch(case.seed, 1, case.global_batch)
+    forward_backward(model, case.loss_fn, inputs, targets, 1)
+    return any(p.requires_grad and p.grad is None for p in model.parameters())
+
+
+def _has_rank_dependent_gradient(case) -> bool:
+    """Whether, on the first step's batch split over the gate's world sizes, one rank gives a
+    trainable parameter a gradient and another does not."""
+    from cases.data import local_batch
+    from harness.judge.shadow import forward_backward
+
+    if "split" not in case.data_modes:
+        return False
+    batch = case.make_batch(case.seed, 1, case.global_batch)
+    built = case.build_model()
+    for world_size in GATE_WORLD_SIZES:
+        if case.global_batch % world_size:
+            continue
+        with_grad = set()
+        for rank in range(world_size):
+            model = copy.deepcopy(built)
+            inputs, targets = local_batch(batch, "split", rank, world_size)
+            forward_backward(model, case.loss_fn, inputs, targets, 1)
+            with_grad.add(frozenset(n for n, p in model.named_parameters() if p.grad is not None))
+        if len(with_grad) > 1:
+            return True
+    return False
 
 
 def _has_tied_parameter(model) -> bool:

@@ -29,7 +29,7 @@ from harness.adapters.base import RankContext
 from harness.adapters.ours import Ours
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
-from harness.run.rank import pick_evidence, rank_epilogue, rank_prologue, replica_digests, train_step
+from harness.run.rank import pick_evidence, pick_grads, rank_epilogue, rank_prologue, replica_digests, train_step
 from harness.run.snapshot import decode, encode
 
 
@@ -86,6 +86,7 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
     # alias of a tied parameter, which the reference does not.
     names = [n for n, _ in model.named_parameters()]
     grad_names = [n for n, p in model.named_parameters() if p.requires_grad]
+    known_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     who = f"rank {ctx.rank}: impl={impl}"
     try:
         wrapped = adapter.wrap(model, case.wrap, replace(ctx, faults=faults))
@@ -101,13 +102,14 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
         # (fuzz/main.py `specs_for`), so it never meets sync_every_micro.
         loss, grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, spec.accumulation,
                                  case.features,
-                                 lambda: pick_evidence(adapter.full_grads(wrapped), grad_names, f"{who} full_grads"),
+                                 lambda: pick_grads(adapter.full_grads(wrapped), grad_names, known_names,
+                                                    f"{who} full_grads"),
                                  spec.sync_every_micro)
         params = pick_evidence(adapter.full_params(wrapped), names, f"{who} full_params")
         step_grads.append(grads)
         step_params.append(params)
         losses.append(loss)
-        replicas.append(replica_digests(params, grads))
+        replicas.append(replica_digests(params, grads, grad_names))
     if ctx.rank != 0:  # rank 0 carries the full tensors; every rank its loss and digests
         init_params, step_grads, step_params = {}, [{} for _ in step_grads], [{} for _ in step_params]
     return {"full": True, "init": init_params, "loss": torch.stack(losses), "grads": step_grads, "data": step_params,

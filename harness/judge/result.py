@@ -57,6 +57,7 @@ class Violation:
     in_padding: bool = False
     num_violating: int = 1  # elements of this tensor beyond tolerance (bias: the elements counted)
     statistic: str | None = None  # bias: BIAS_STATISTICS key of the tilted count
+    lost_gradient: bool = False  # grad: no gradient where the plain model has one (expected: its largest |g|)
 
     def sort_key(self) -> tuple:
         return (self.step, CHECK_ORDER.index(self.check), -self.ratio)
@@ -83,6 +84,10 @@ class Violation:
                     f"{self.num_violating} differing elements {BIAS_STATISTICS[self.statistic]} "
                     f"(honest rounding: half, +-{self.tol:.3g} at false-alarm probability {BIAS_FALSE_ALARM:g}); "
                     f"|count - n/2| = {self.abs_diff:.3g} (ratio {self.ratio:.3g})")
+        if self.lost_gradient:
+            return (f"{cell_id} optimizer={self.optimizer} step={self.step} grad: {where}: no gradient, where the "
+                    f"plain model has one (expected={self.expected:.9g}, {self.num_violating} element(s)): the "
+                    f"implementation lost it")
         if self.check == "loss":
             owner = f"on rank {self.rank}"
         else:

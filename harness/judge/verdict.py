@@ -99,8 +99,10 @@ def _trajectory(snap: dict, order: dict[str, torch.Tensor]) -> torch.Tensor:
     parts = []
     for rec in snap["steps"]:
         loss = rec["loss"].double().mean() if split else rec["loss"].double()[0]
-        grad_order = [k for k in order if k in rec["grads"]]  # frozen parameters have no gradient
-        parts += [loss.float().reshape(1), flat(rec["grads"], grad_order), flat(rec["params"], order)]
+        # A parameter without a gradient (frozen, or none this step) counts as zeros in every cell,
+        # whichever way its cell reported it ([Note: Parameters without a gradient] in judge/diff.py).
+        grads = {k: rec["grads"][k] if k in rec["grads"] else torch.zeros_like(rec["params"][k]) for k in order}
+        parts += [loss.float().reshape(1), flat(grads), flat(rec["params"], order)]
     return torch.cat(parts)
 
 

@@ -46,6 +46,18 @@ def _names(what: str, got, expected: list[str]) -> None:
                             f"unexpected {extra[:4]} ({len(missing)} missing, {len(extra)} unexpected)")
 
 
+def _gradient_names(what: str, got, grad_names: list[str]) -> None:
+    """Gradients of trainable parameters only; one may be absent: that parameter had no gradient this
+    step, which the judge holds against the replay ([Note: Parameters without a gradient] in
+    harness/judge/diff.py)."""
+    if not isinstance(got, dict):
+        raise EvidenceError(f"{what} is {type(got).__name__}, not a dict of named tensors")
+    extra = sorted(set(got) - set(grad_names))
+    if extra:
+        raise EvidenceError(f"{what} name {extra[:4]}, which are not trainable parameters of the model "
+                            f"({len(extra)} unexpected)")
+
+
 def _shapes(what: str, tensors: dict, sizes: dict[str, torch.Size]) -> None:
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor) or t.shape != sizes[name]:
@@ -92,7 +104,7 @@ def check_snapshot_evidence(snap: dict, cell: Cell, optimizer: str, run_id: str,
             raise EvidenceError(f"step {step}: loss is {shape}, expected one entry per rank ({cell.world_size},)")
         _names(f"step {step}: parameters", rec.get("params"), names)
         _shapes(f"step {step}: parameter", rec["params"], sizes)
-        _names(f"step {step}: gradients", rec.get("grads"), grad_names)
+        _gradient_names(f"step {step}: gradients", rec.get("grads"), grad_names)
         _shapes(f"step {step}: gradient", rec["grads"], sizes)
         for key in ("shards", "shard_grads", "padding_intervals", "shadow", "replicas"):
             if not isinstance(rec.get(key), dict):

@@ -48,7 +48,7 @@ class LaunchResult:
         root = self.first_failed_rank()
         if root is not None:
             head += f"; first failure: rank {root}"
-        return head + "\n" + failure_blocks(self.rank_logs, self.launcher_output, stacks=self.timed_out)
+        return head + "\n" + failure_blocks(self.rank_logs, self.launcher_output, stacks=self.timed_out, first=root)
 
     def first_failed_rank(self) -> int | None:
         """The rank torchrun names as the root cause (first observed failure), if any."""
@@ -83,8 +83,11 @@ def root_cause_signal(launcher_output: str) -> tuple[int, str] | None:
 
 
 def is_informative(log: RankLog, stacks: bool) -> bool:
+    """A traceback, a fatal error (a C++ abort such as gloo's "collective mismatch", with the stacks
+    faulthandler dumps), or the stacks of a hung launch."""
     text = log.stderr
-    return ("Traceback" in text) or (stacks and ("Thread 0x" in text or "Current thread" in text))
+    return ("Traceback" in text or "Fatal Python error" in text
+            or (stacks and ("Thread 0x" in text or "Current thread" in text)))
 
 
 @dataclass
@@ -98,10 +101,13 @@ class RunOutcome:
     cell_wall_s: dict[str, float] = field(default_factory=dict)
 
 
-def failure_blocks(rank_logs: tuple[RankLog, ...], launcher_output: str, stacks: bool) -> str:
+def failure_blocks(rank_logs: tuple[RankLog, ...], launcher_output: str, stacks: bool,
+                   first: int | None = None) -> str:
     """One prefixed block per rank that said something useful (a traceback; its stacks when they
-    were dumped), or torchrun's own tail when none did."""
-    blocks = [log.prefixed() for log in rank_logs if is_informative(log, stacks)]
+    were dumped), the rank that failed `first` leading (the others' errors are often only that
+    it went away), or torchrun's own tail when none did."""
+    ordered = sorted(rank_logs, key=lambda log: log.rank != first)
+    blocks = [log.prefixed() for log in ordered if is_informative(log, stacks)]
     if not blocks:
         tail = launcher_output.rstrip().splitlines()[-30:]
         blocks = ["\n".join(f"[torchrun] {line}" for line in tail)]

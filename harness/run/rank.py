@@ -82,11 +82,33 @@ def pick_evidence(tensors: dict[str, torch.Tensor], names: list[str], what: str)
     return evidence_copy({n: tensors[n] for n in names})
 
 
-def replica_digests(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict:
-    """This rank's replicas evidence: {"names": parameter names, then "<name> (grad)", in the dicts'
-    order, "digests": a 52-bit digest of each}; every rank's must agree bitwise (the replicas check)."""
-    return {"names": list(params) + [f"{n} (grad)" for n in grads],
-            "digests": [digest(t) for t in params.values()] + [digest(g) for g in grads.values()]}
+def pick_grads(tensors: dict[str, torch.Tensor], grad_names: list[str], known_names: set[str],
+               what: str) -> dict[str, torch.Tensor]:
+    """`evidence_copy` of the gradients of the plain model's trainable `grad_names` an adapter handed
+    back. A name it left out had no gradient this step, as `p.grad is None` in the plain model, and is
+    absent from the result: the judge decides whether the plain model had one ([Note: Parameters
+    without a gradient] in harness/judge/diff.py). A name that is no parameter of the plain model at
+    all (`known_names`: every name, aliases of tied parameters included) raises RuntimeError naming
+    `what`: the adapter's names are wrong."""
+    unknown = sorted(set(tensors) - known_names)
+    if unknown:
+        raise RuntimeError(f"{what} name {unknown[:4]}, which are no parameters of the plain model (it has "
+                           f"{sorted(known_names)[:4]}...); the adapter must use the plain model's names")
+    return evidence_copy({n: tensors[n] for n in grad_names if n in tensors})
+
+
+# The replicas digest of a gradient a rank does not have (digests are 52-bit, never negative).
+NO_GRADIENT_DIGEST = -1
+
+
+def replica_digests(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], grad_names: list[str]) -> dict:
+    """This rank's replicas evidence: {"names": parameter names in the dict's order, then "<name> (grad)"
+    for each of `grad_names` (the plain model's trainable parameters: the same list on every rank, so
+    every rank's digests line up), "digests": a 52-bit digest of each, NO_GRADIENT_DIGEST for a
+    gradient this rank does not have}; every rank's must agree bitwise (the replicas check)."""
+    return {"names": list(params) + [f"{n} (grad)" for n in grad_names],
+            "digests": [digest(t) for t in params.values()]
+                       + [digest(grads[n]) if n in grads else NO_GRADIENT_DIGEST for n in grad_names]}
 
 
 def train_step(adapter: Adapter, model: torch.nn.Module, optim: torch.optim.Optimizer, loss_fn, inputs, targets,

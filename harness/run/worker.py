@@ -32,7 +32,7 @@ from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
 from harness.run.plan import Cell
-from harness.run.rank import pick_evidence, rank_epilogue, rank_prologue, replica_digests, train_step
+from harness.run.rank import pick_evidence, pick_grads, rank_epilogue, rank_prologue, replica_digests, train_step
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
 from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, load_init,
                                   save_snapshot, snapshot_path, started_path, write_atomic_text)
@@ -239,6 +239,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     plain = case.build_model()
     names = [n for n, _ in plain.named_parameters()]
     grad_names = [n for n, p in plain.named_parameters() if p.requires_grad]
+    known_names = {n for n, _ in plain.named_parameters(remove_duplicate=False)}
     buffer_names = [n for n, _ in plain.named_buffers()]
     init_buffers = init_buffers if init_buffers is not None else dict(plain.named_buffers())
     wrap_paths = case.wrap_paths(plain)
@@ -264,14 +265,15 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         inputs, targets = map_tensors(lambda t: t.to(ctx.device),
                                       local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size))
         loss, grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, features.grad_accum, features,
-                                 lambda: _pick(adapter.full_grads(wrapped), grad_names, "full_grads", ctx, cell))
+                                 lambda: pick_grads(adapter.full_grads(wrapped), grad_names, known_names,
+                                                    f"rank {ctx.rank}: impl={cell.impl} full_grads"))
         if scheduler is not None:
             scheduler.step()
         params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
         buffers = _pick(adapter.full_buffers(wrapped), buffer_names, "full_buffers", ctx, cell)
         # Every rank's full parameters and gradients, digested: replicas must agree bitwise; and
         # every rank's buffers (before step 1 too), judged against the replay.
-        replicas = replica_digests(params, grads)
+        replicas = replica_digests(params, grads, grad_names)
         digests = replicas["digests"] + [digest(buffers[n]) for n in buffer_names] + pending_digests
         pending_digests = []
         record = {}

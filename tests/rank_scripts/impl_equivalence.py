@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from cases.models import MLP, TransformerConfig, TransformerLM, lm_loss
-from impl import full_state_dict, fully_shard, local_shards
+from impl import full_state_dict, fully_shard, local_shards, units
 from harness.run.rank import rank_prologue
 
 STEPS = 5
@@ -122,14 +122,20 @@ def sharded_state_bytes(rank: int, world_size: int) -> dict:
     loss_fn("transformer", ours, x, y).backward()
     opt.step()
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    params = sum(nbytes(p) for p in ours.parameters())
-    grads = sum(nbytes(p.grad) for p in ours.parameters())
+    # The storage: each unit's padded shard and shard gradient, which the parameters' pieces and
+    # their gradients slice; the optimizer's moments per piece, padding excluded ([Note:
+    # Per-parameter shards] in impl/_handle.py).
+    handles = [h for _, unit in units(ours) for h in unit.handles]
+    params = sum(nbytes(h.sharded) for h in handles)
+    grads = sum(nbytes(h.sharded_grad) for h in handles)
     state = sum(nbytes(v) for s in opt.state.values() for k, v in s.items() if k != "step")
     padding_numel = sum(s.layout.padding_numel for s in local_shards(ours))
-    ideal = 3 * 4 * (total_param_numel + padding_numel) / world_size  # params + grads + 2 Adam moments
-    ideal += 4 * (total_param_numel + padding_numel) / world_size
+    ideal = 2 * 4 * (total_param_numel + padding_numel) / world_size  # shard + shard gradient
+    ideal += 2 * 4 * total_param_numel / world_size  # 2 Adam moments
     measured = params + grads + state
-    return {"measured_bytes": measured, "ideal_bytes": ideal, "ratio": measured / ideal,
+    # This rank's own share: the padded shards twice, the moments over the shard's parameter elements.
+    exact = sum(2 * 4 * h.layout.shard_numel + 2 * 4 * sum(b - a for a, b in h.local_bounds) for h in handles)
+    return {"measured_bytes": measured, "exact_bytes": exact, "ideal_bytes": ideal, "ratio": measured / ideal,
             "unsharded_state_bytes": 4 * 4 * total_param_numel, "padding_numel": padding_numel}
 
 
@@ -147,7 +153,7 @@ def full_gathers(world_size: int) -> dict:
     handles = [(f"{fqn}." if fqn else "", h) for fqn, unit in units(model) for h in unit.handles]
     expected_params, expected_grads = {}, {}
     for prefix, h in handles:
-        for local, out in ((h.sharded.detach(), expected_params), (h.sharded.grad, expected_grads)):
+        for local, out in ((h.sharded.detach(), expected_params), (h.sharded_grad, expected_grads)):
             padded = local.new_empty(world_size * local.numel())
             dist.all_gather_into_tensor(padded, local.contiguous())
             for slot, full in zip(h.layout.slots, unflatten_views(padded, h.layout)):
