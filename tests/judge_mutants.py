@@ -37,6 +37,7 @@ _PLANTED = "tests/test_harness_runs.py::test_planted_error_is_caught_by_its_chec
 _BUFFERS_SLOW = "tests/test_harness_runs.py::test_buffers_zeroed_at_wrap_fail_at_step_0_on_every_rank"
 _DRIFT = ("tests/test_harness_runs.py::"
           "test_a_drift_every_step_hides_fails_on_the_trajectory_and_the_honest_twin_passes")
+_NO_GRADIENT = "tests/test_no_gradient.py::{}"  # fast tests: parameters without a gradient
 _SCALED_STEP = ("tests/test_harness_runs.py::"
                 "test_a_step_scaled_after_the_evidence_fails_the_update_bias_and_the_honest_twin_passes")
 
@@ -88,6 +89,15 @@ MUTANTS = (
            (_PLANTED.format("scale-1e-5-split"),)),
     Mutant("param_disabled", "parameter check never fails", "harness/judge/diff.py", _disable("param"),
            (_PLANTED.format("lost-master"),)),
+    Mutant("no_gradient_nonzero_ignored", "a nonzero gradient where the plain model has none taken as none",
+           "harness/judge/diff.py",
+           (("nonzero = [n for n, g in cell_grads.items() if n not in replay_grads and not bool((g == 0).all())]",
+             "nonzero = []"),), (_NO_GRADIENT.format("test_a_nonzero_gradient_where_the_plain_model_has_none_fails_the_grad_check"),)),
+    Mutant("lost_gradient_ignored", "a gradient missing where the plain model has one never reported",
+           "harness/judge/diff.py",
+           (("            if name in cell_grads:\n                continue\n",
+             "            if True:\n                continue\n"),),
+           (_NO_GRADIENT.format("test_a_gradient_missing_where_the_plain_model_has_one_fails_naming_it"),)),
     Mutant("bias_disabled", "sign test never fails", "harness/judge/diff.py",
            (("return tilt if tilt and not tilt.ratio <= 1 else None", "return None"),),
            (_PLANTED.format("scale-1e-7-split"),)),
