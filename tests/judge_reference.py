@@ -124,21 +124,27 @@ class StepBounds:
         self.u_param = unit_roundoff(torch.float32)  # master parameters and optimizer state
         self.opt_state = OptimizerErrorState(spec, self.u_param)
         self.clip_may_have_acted = False  # from then on no update is sign-tested
-        self.reduction_tols: dict[str, torch.Tensor] = {}  # the last step's grad bounds without reordering
         self.reordered_from: dict | None = None  # from then on no sign is tested
 
-    def step(self, step: int, shadow: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        features, u = self.case.features, self.u_param
-        grad_tols, param_tols, stepped, stepped_tols = {}, {}, {}, {}
-        for name, exact in shadow["grads"].items():
+    def grad_bounds(self, shadow: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """({name: reduction bound}, {name: reordering allowance} or None)."""
+        bounds = {}
+        for name in shadow["grads"]:
             # A tied parameter's gradient sums more terms (one per use): its own bound.
             terms = shadow["num_terms"][name]
             reduction = self.reduction if terms == self.reduction.num_terms else \
                 ReductionModel(terms, self.reduction.u, self.reduction.casts, self.reduction.eta)
-            grad_tols[name] = reduction.grad_bound(shadow["abs_grads"][name])
-            if shadow.get("reorder"):  # the reordered local backward's allowance, one per tensor
-                self.reduction_tols[name] = grad_tols[name]
-                grad_tols[name] = grad_tols[name] + shadow["reorder"][name].double()
+            bounds[name] = reduction.grad_bound(shadow["abs_grads"][name])
+        reorder = shadow.get("reorder")
+        return bounds, ({n: reorder[n].double() for n in shadow["grads"]} if reorder else None)
+
+    def step(self, step: int, shadow: dict, reordered: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        features, u = self.case.features, self.u_param
+        param_tols, stepped, stepped_tols = {}, {}, {}
+        grad_tols, allowance = self.grad_bounds(shadow)
+        if reordered and allowance is not None:  # the reordered local backward's allowance, one per tensor
+            grad_tols = {n: t + allowance[n] for n, t in grad_tols.items()}
+        for name, exact in shadow["grads"].items():
             stepped[name] = exact.float().double()  # what the shadow's optimizer stepped with
             stepped_tols[name] = grad_tols[name] + (stepped[name] - exact.double()).abs()
         if features.clip_norm_type is not None:
@@ -295,20 +301,21 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                                       num_violating=expected.numel(), lost_gradient=True))
         cell_grads = rec["grads"]
         rec = {**rec, "grads": {n: g for n, g in rec["grads"].items() if n in shadow["grads"]}}
-        step_bounds.reduction_tols = {}
-        grad_tols, param_tols = step_bounds.step(step, shadow)
-        if step_bounds.reordered_from is None and step_bounds.reduction_tols:
+        if step_bounds.reordered_from is None:
+            reduction_tols, allowance = step_bounds.grad_bounds(shadow)
             diffs = {n: (g.double() - shadow["grads"][n].double()).abs() for n, g in rec["grads"].items()}
-            if all(bool((d <= grad_tols[n]).all()) for n, d in diffs.items()):
+            if allowance is not None and all(bool((d <= reduction_tols[n] + allowance[n]).all())
+                                             for n, d in diffs.items()):
                 beyond = {}
                 for n, d in diffs.items():  # the first tensor wins ties, as the flat argmax does
-                    r = d / step_bounds.reduction_tols[n]
+                    r = d / reduction_tols[n]
                     r = torch.where(torch.isnan(r) | (r <= 1), 0.0, r)
                     if r.numel() and float(r.max()) > 0 and float(r.max()) > max(beyond.values(), default=0.0):
                         beyond[n] = float(r.max())
                 if beyond:
                     name = max(beyond, key=beyond.get)
                     step_bounds.reordered_from = {"step": step, "name": name, "ratio": beyond[name]}
+        grad_tols, param_tols = step_bounds.step(step, shadow, step_bounds.reordered_from is not None)
         for name, g in rec["grads"].items():
             judge("grad", step, name, g, shadow["grads"][name], grad_tols[name], step_layouts.get(name),
                   value=shadow["grads"][name])

@@ -356,37 +356,46 @@ class StepBounds:
         # From the first step whose clipping may have scaled the cell's gradients, by a coefficient
         # of its own rounding common to every element, updates are not sign-tested ([Note: Update bias]).
         self.clip_may_have_acted = False
-        # The last step's gradient bounds without the reordering allowance (flat, in shadow["grads"] order), and
-        # the first step whose gradients needed it ([Note: Reordered accumulation]): from then on the
-        # sign counts' independence does not hold and the bias check is not applied.
-        self.reduction_tol: torch.Tensor | None = None
+        # The first step whose gradients needed the reordering allowance ([Note: Reordered
+        # accumulation]): from then on the allowance is part of the bounds, and the sign counts'
+        # independence does not hold, so the bias check is not applied.
         self.reordered_from: dict | None = None
 
-    def step(self, step: int, shadow: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def step(self, step: int, shadow: dict, reordered: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """({name: grad tol}, {name: param tol}) of every parameter with a gradient."""
-        seg, grad_tol, param_tol = self.step_flat(step, shadow)
+        seg, grad_tol, param_tol = self.step_flat(step, shadow, reordered)
         names = list(shadow["grads"])
         return dict(zip(names, seg.unflat(grad_tol))), dict(zip(names, seg.unflat(param_tol)))
 
-    def step_flat(self, step: int, shadow: dict) -> tuple[Segments, torch.Tensor, torch.Tensor]:
-        """`step`'s tolerances as flat float64 tensors, one segment per gradient in the order of
-        shadow["grads"] ([Note: Batched checks]: every bound is elementwise, so it is computed once
-        per optimizer hyperparameter group on the group's gradients laid end to end)."""
-        features, u = self.case.features, self.u_param
+    def grad_bounds(self, shadow: dict) -> tuple[Segments, torch.Tensor, torch.Tensor | None]:
+        """(segments, the reduction bound, the reordering allowance or None) of `shadow`'s gradients,
+        flat in the order of shadow["grads"]; nothing carried across steps changes."""
         names = list(shadow["grads"])
         seg = Segments([shadow["grads"][n].shape for n in names])
         abs_grads = [shadow["abs_grads"][n] for n in names]
         terms = [shadow["num_terms"][n] for n in names]
         if all(t == self.reduction.num_terms for t in terms):
-            grad_tol = self.reduction.grad_bound(seg.flat(abs_grads))
+            reduction_tol = self.reduction.grad_bound(seg.flat(abs_grads))
         else:  # a tied parameter's gradient sums more terms (one per use): its own bound
-            grad_tol = seg.flat([ReductionModel(t, self.reduction.u, self.reduction.casts, self.reduction.eta).grad_bound(a)
-                                 for t, a in zip(terms, abs_grads)])
+            reduction_tol = seg.flat([ReductionModel(t, self.reduction.u, self.reduction.casts,
+                                                     self.reduction.eta).grad_bound(a)
+                                      for t, a in zip(terms, abs_grads)])
         reorder = shadow.get("reorder")
-        self.reduction_tol = None
-        if reorder:  # a reordered local backward ([Note: Reordered accumulation], harness/judge/shadow.py)
-            self.reduction_tol = grad_tol
-            grad_tol = grad_tol + seg.flat([reorder[n].double().expand(size) for n, size in zip(names, seg.sizes)])
+        allowance = (seg.flat([reorder[n].double().expand(size) for n, size in zip(names, seg.sizes)])
+                     if reorder else None)
+        return seg, reduction_tol, allowance
+
+    def step_flat(self, step: int, shadow: dict, reordered: bool = False) -> tuple[Segments, torch.Tensor, torch.Tensor]:
+        """`step`'s tolerances as flat float64 tensors, one segment per gradient in the order of
+        shadow["grads"] ([Note: Batched checks]: every bound is elementwise, so it is computed once
+        per optimizer hyperparameter group on the group's gradients laid end to end). With
+        `reordered` (the cell's local backward was seen reordering), the gradient bound includes the
+        reordering allowance ([Note: Reordered accumulation]), and the parameter bound carries it."""
+        features, u = self.case.features, self.u_param
+        names = list(shadow["grads"])
+        seg, grad_tol, allowance = self.grad_bounds(shadow)
+        if reordered and allowance is not None:
+            grad_tol = grad_tol + allowance
         exact = seg.flat([shadow["grads"][n] for n in names])
         stepped = exact.float().double()  # what the shadow's optimizer stepped with
         stepped_tol = grad_tol + (stepped - exact).abs()
@@ -682,20 +691,24 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         if len(judged_grads) != len(grad_names):
             grad_names = list(judged_grads)
             grads_flat = segments(judged_grads).flat(list(judged_grads.values()))
-        tol_seg, grad_tol, param_tol = step_bounds.step_flat(step, shadow)
-        reduction_tol = step_bounds.reduction_tol
+        seg = same_shapes("grad", step, grad_names, list(judged_grads.values()),
+                          [shadow["grads"][n] for n in grad_names])
+        if step_bounds.reordered_from is None:
+            tol_seg, reduction_tol, allowance = step_bounds.grad_bounds(shadow)
+            if allowance is not None:
+                if grad_names != list(shadow["grads"]):
+                    reduction_tol, allowance, exact = (_reordered(tol_seg, list(shadow["grads"]), t, grad_names)
+                                                       for t in (reduction_tol, allowance, shadow_grads))
+                else:
+                    exact = shadow_grads
+                step_bounds.reordered_from = _local_reordering(step, grad_names, seg, grads_flat, exact,
+                                                               reduction_tol, reduction_tol + allowance)
+        tol_seg, grad_tol, param_tol = step_bounds.step_flat(step, shadow, step_bounds.reordered_from is not None)
         if grad_names != list(shadow["grads"]):  # the tolerances and the shadow's flat follow its order
             grad_tol, param_tol, shadow_grads = (_reordered(tol_seg, list(shadow["grads"]), t, grad_names)
                                                  for t in (grad_tol, param_tol, shadow_grads))
-            if reduction_tol is not None:
-                reduction_tol = _reordered(tol_seg, list(shadow["grads"]), reduction_tol, grad_names)
-        seg = same_shapes("grad", step, grad_names, list(judged_grads.values()),
-                          [shadow["grads"][n] for n in grad_names])
         grad_viol = judge("grad", step, grad_names, seg, grads_flat, shadow_grads, grad_tol, step_layouts)
         stats["grad"].add_samples(seg, grad_tol, shadow_grads)
-        if step_bounds.reordered_from is None and reduction_tol is not None:
-            step_bounds.reordered_from = _local_reordering(step, grad_names, seg, grads_flat, shadow_grads,
-                                                           reduction_tol, grad_tol)
         if step_bounds.reordered_from is None:
             bias_viol = [tilt_of(step, name, counts, GRAD_STATISTICS)
                          for name, counts in zip(grad_names, sign_counts(seg, grads_flat - shadow_grads, shadow_grads))]

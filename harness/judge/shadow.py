@@ -387,4 +387,4 @@ class Shadow:
             sign = torch.randint(0, 2, g.shape, generator=generator, dtype=torch.float64) * 2 - 1
             if antithetic:
                 sign = -sign
-            grads[name] = g + sign * amplitude.cpu().to(g.device)
+            grads[name] = g + (sign * amplitude.cpu()).to(g.device)
