@@ -3,6 +3,7 @@ across pytest-xdist workers through a file lock), so each configuration runs onc
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -318,6 +319,28 @@ def test_a_step_scaled_after_the_evidence_fails_the_update_bias_and_the_honest_t
             for opt, checks in scaled["checks"].items():
                 assert checks["grad"]["margin"] <= 1.0 and checks["param"]["margin"] <= 1.0, (opt, checks)
             _assert_judged(run, scaled, get_case(case).steps, padding=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the models extra: pip install -e '.[models]'")
+def test_a_reordered_backward_passes_and_a_doubled_contribution_fails(tmp_path_factory):
+    """An identity autograd function on every wrapped unit's inputs (what FSDP2 and DeepSpeed put
+    there) reorders T5's gradient accumulation: the cell passes, the bias check off from the step its
+    gradients needed the reordering allowance ([Note: Reordered accumulation]). The same identity
+    doubling the units' contribution (one contribution counted twice) fails the grad check."""
+    run = _shared_run(tmp_path_factory, "reordered", [
+        "run", "--cases", "t5", "--impls", f"{PLUGINS}:IdentityOnUnitInputs,{PLUGINS}:DoubleUnitInputGradient",
+        "--world-sizes", "1,2", "--data", "identical,split", "--steps", "2"])
+    cells = _cells(run)
+    assert run["rc"] == 1, run["output"][-3000:]
+    for w in (1, 2):
+        for data in ("identical", "split"):
+            honest = cells[f"t5.identity_on_unit_inputs.w{w}.{data}"]
+            assert honest["verdict"] == "pass", honest["first_divergence_text"] or honest["error"]
+            assert honest["bias_not_applied"] and "another order" in honest["bias_not_applied"], honest
+            doubled = cells[f"t5.double_unit_input_gradient.w{w}.{data}"]
+            assert doubled["verdict"] == "fail" and doubled["first_check"] == "grad", doubled["first_divergence_text"]
+            assert doubled["first_divergence"]["ratio"] > 1e3, doubled["first_divergence"]
 
 
 # -- every feature case at W = 2 and 4, ours and fsdp2, in one run (one launch per world size) -----
