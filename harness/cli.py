@@ -73,6 +73,9 @@ def _add_matrix_args(p: argparse.ArgumentParser, *, cases, impls, world_sizes, d
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend (default gloo)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one rank per GPU (default cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--keep-evidence", action="store_true",
+                   help="keep every cell's snapshots (default: only those of cells that did not pass, and their "
+                        "references; a passing cell leaves its report rows, not a copy of the model)")
     p.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted impl/ bugs, for tests
     # for tests: besides every cell, one copy of it per listed fault (a battery of planted bugs, one launch)
     p.add_argument("--fault-copies", default="", help=argparse.SUPPRESS)
@@ -209,6 +212,8 @@ def cmd_run(args, argv: list[str]) -> int:
 
             files = add_gate_files(files, report, baseline_results)
         written = output.write_report_set(files)
+        if not args.keep_evidence:
+            _prune_passing_evidence(plan, cells)
     console_summary(report)
     if args.verb == "gate":
         from harness.ci.gate import print_baseline
@@ -220,6 +225,24 @@ def cmd_run(args, argv: list[str]) -> int:
                 f.write(files["summary.md"] + "\n")
     print(f"reports: {written['report.md']}")
     return EXIT_PASS if report.verdict == Verdict.PASS else EXIT_FAIL
+
+
+def _prune_passing_evidence(plan, cells) -> None:
+    """Remove the snapshots of every cell that passed, and of every reference no other cell needs
+    now, once the report is written: the evidence kept is where a person needs it, around a failure
+    or an error (--keep-evidence keeps all)."""
+    import shutil
+
+    from harness.judge.result import Verdict
+
+    needed = {f"ref.{r.cell.case_label}" for r in cells if r.verdict != Verdict.PASS}
+    passed = [r.cell.cell_id for r in cells if r.verdict == Verdict.PASS]
+    refs = [c.cell_id for c in plan.references if c.cell_id not in needed]
+    for cell_id in passed + refs:
+        shutil.rmtree(plan.snapshot_dir / cell_id, ignore_errors=True)
+    scratch = plan.snapshot_dir / "scratch"
+    if scratch.is_dir() and not any(scratch.iterdir()):
+        scratch.rmdir()
 
 
 def cmd_list() -> int:

@@ -79,7 +79,7 @@ def test_deepspeed_zero_1_2_3_pass_with_zero3_raw_shards_validated(tmp_path):
     impls = ("deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
     proc = subprocess.run(
         [sys.executable, "-m", "harness", "run", "--cases", "mlp", "--impls", ",".join(impls), "--world-sizes", "1,2",
-         "--data", "split", "--steps", str(STEPS), "--timeout", "1500", "--out", str(out)],
+         "--data", "split", "--steps", str(STEPS), "--timeout", "1500", "--out", str(out), "--keep-evidence"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=2400)
     assert proc.returncode == 0, proc.stdout[-3000:]
     cells = {c["cell_id"]: c for c in json.loads((out / "summary.json").read_text())["cells"]}

@@ -60,7 +60,8 @@ def _snapshot_files(out: Path) -> list[Path]:
 def test_every_world_size_in_one_launch_is_bitwise_a_launch_of_its_own(tmp_path):
     """W = 1 and 2 in one launch (each in a process group formed after the launch's own was given
     up) against a launch of W = 1 and a launch of W = 2 (each in the launch's own group)."""
-    common = ["run", "--cases", "mlp", "--impls", "ours,fsdp2", "--data", "split", "--steps", "2", "--timeout", "600"]
+    common = ["run", "--cases", "mlp", "--impls", "ours,fsdp2", "--data", "split", "--steps", "2", "--timeout", "600",
+              "--keep-evidence"]
     runs = {"both": "1,2", "w1": "1", "w2": "2"}
     for name, sizes in runs.items():
         rc, output = _harness([*common, "--world-sizes", sizes, "--out", str(tmp_path / name)], timeout=1200)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,7 @@ import harness.run.output
 from harness.run.output import MARKER, STATE, OutputDir, OutputError
 
 GENERATED = ("snapshots", "logs", "init")
+REPO = Path(__file__).resolve().parent.parent
 REPORTS = {"report.md": "# r\n", "junit.xml": "<testsuite/>\n", "summary.json": "{}\n"}
 
 
@@ -102,3 +106,25 @@ def test_a_failing_report_write_leaves_no_report_rather_than_a_mix(tmp_path, mon
         _run(out, "b" * 32, reports={**REPORTS, "report.md": "# second run: FAIL\n"})
     left = sorted(p.name for p in out.iterdir())
     assert left == [MARKER, STATE, "logs"], left  # neither the first run's reports nor part of the second's
+
+
+@pytest.mark.slow
+@pytest.mark.core
+def test_a_passing_cell_leaves_its_report_not_its_snapshots_and_a_failing_one_keeps_them(tmp_path):
+    """A run keeps full tensors only around a failure (the failing cell and its reference);
+    --keep-evidence keeps every cell's."""
+    def run(out, *extra):
+        return subprocess.run([sys.executable, "-m", "harness", "run", "--cases", "mlp", "--impls", "ours",
+                               "--world-sizes", "2", "--data", "split", "--steps", "1", "--quiet", "--out", str(out),
+                               *extra], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+    proc = run(tmp_path / "pass")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "pass" / "report.md").exists() and not list((tmp_path / "pass").glob("snapshots/*/*.pt"))
+    proc = run(tmp_path / "fail", "--faults", "grad_scale_1e-5")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    kept = sorted(p.parent.name for p in (tmp_path / "fail").glob("snapshots/*/*.pt"))
+    assert set(kept) == {"ref.mlp", "mlp.ours.w2.split.grad_scale_1e-5"}, kept
+    proc = run(tmp_path / "keep", "--keep-evidence")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert {p.parent.name for p in (tmp_path / "keep").glob("snapshots/*/*.pt")} == {"ref.mlp", "mlp.ours.w2.split"}
