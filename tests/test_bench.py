@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,7 +61,7 @@ def test_bench_only_refuses_an_unknown_part_before_any_launch(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == ["harness bench: error: bench parts ['memroy']: choose from speed, "
-                                                "memory, medium, throughput"]
+                                                "memory, medium, throughput, verify-cost"]
     assert not (tmp_path / "bench.json").exists()
 
 
@@ -110,3 +111,18 @@ def test_the_bench_reads_the_fuzzers_cpu_line_and_bounds_the_rates_by_it():
     # 84 s of CPU on 2 cores: at least 42 s, 1.40x the 30 s floor; 45 s is 1.07x that bound
     assert "less than 42.0 s, 1.40x the floor; its wall time is 1.07x that bound" in text
     assert "no schedule runs more than 8.3 examples/s" in text
+
+
+def test_verify_cost_is_a_part_only_when_named_and_renders_its_ratio_disk_and_rss():
+    from harness.bench.main import PARTS, BenchConfig, render_markdown
+
+    assert "verify-cost" not in PARTS and BenchConfig(Path("."), parts=("verify-cost",)).parts == ("verify-cost",)
+    row = {"case": "tests/data/gpt2_sizes.py:d256", "parameters": 5_273_088, "world_size": 2, "training_wall_s": 22.0,
+           "harness_wall_s": 64.0, "ratio": 64 / 22, "output_bytes": 3 * 2**20, "training_peak_rss_bytes": 2**29,
+           "harness_peak_rss_bytes": 2**30}
+    env = {"cpu_count": 2, "machine": "x86_64", "torch": "2.13.0", "backend": "gloo", "threads_per_rank": 1,
+           "smoke": False, "parts": ["verify-cost"]}
+    text = render_markdown({"environment": env, "speed": [], "memory": [], "medium": [], "verify_cost": [row]})
+    assert "--only verify-cost" in text
+    assert "| d256    | 5.3M         | 22 s             | 64 s          | 2.9x    |" in text, text
+    assert text.rstrip().splitlines()[-3].split("|")[6:9] == ["                  3 ", "                       512 ", "                     1024 "], text

@@ -35,6 +35,11 @@ SEED_PARAM_MB = {1: 2020, 8: 253}
 SEED_PEAK_MB = {1: 737.84, 8: 187.65}
 # What one bench run measures, in this order (`--only` picks a subset; each part is its own launches).
 PARTS = ("speed", "memory", "medium", "throughput")
+# Parts run only when named in --only (minutes per model).
+OPTIONAL_PARTS = ("verify-cost",)
+# The verify-cost part's model series (GPT-2 shapes, tests/data/gpt2_sizes.py) and its cells.
+VERIFY_COST_CASES = ("tests/data/gpt2_sizes.py:d128", "tests/data/gpt2_sizes.py:d256")
+VERIFY_COST_WORLD_SIZE = 2
 
 
 @dataclass(frozen=True)
@@ -50,9 +55,9 @@ class BenchConfig:
     medium_world_sizes: tuple[int, ...] = (1, 2, 4, 8)  # GPT-2 medium, ours only (not in a smoke run)
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.parts) - set(PARTS))
+        unknown = sorted(set(self.parts) - set(PARTS) - set(OPTIONAL_PARTS))
         if unknown or not self.parts:
-            raise ValueError(f"bench parts {unknown or '(none)'}: choose from {', '.join(PARTS)}")
+            raise ValueError(f"bench parts {unknown or '(none)'}: choose from {', '.join(PARTS + OPTIONAL_PARTS)}")
         if self.iters < 1:
             raise ValueError(f"iters={self.iters} must be >= 1")
         bad = [w for w in (*self.speed_world_sizes, *self.memory_world_sizes, *self.medium_world_sizes) if w < 1]
@@ -110,7 +115,50 @@ def _measure(cfg: BenchConfig, work: Path, progress) -> dict:
     if "throughput" in cfg.parts and not cfg.smoke:
         progress("bench: harness throughput (batched matrix vs bare launches vs one launch per cell)")
         result["throughput"] = harness_throughput(cfg, work)
+    if "verify-cost" in cfg.parts:
+        result["verify_cost"] = [verify_cost(cfg, work, case, progress) for case in VERIFY_COST_CASES]
     return result
+
+
+_MAX_RSS_OF_CHILDREN = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+                        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, rc)")
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def verify_cost(cfg: BenchConfig, work: Path, case: str, progress) -> dict:
+    """One model of the series: the implementation alone training the cells `harness run` verifies
+    (the plain model in one rank, then ours at W ranks, launches and imports included), then
+    `harness run` verifying them; wall times side by side, the run's output directory, and the peak
+    RSS of the largest process of each (RUSAGE_CHILDREN: the largest of every process waited for)."""
+    w, tag = VERIFY_COST_WORLD_SIZE, case.rsplit(":", 1)[-1]
+    progress(f"bench: verify cost of {case}: training alone (plain W=1, ours W={w}), then harness run")
+    train = {}
+    for impl, ranks in (("plain", 1), ("ours", w)):
+        out = work / f"train_{tag}_{impl}.json"
+        wall = torchrun(ranks, ["harness.bench.worker", "train", "--case", case, "--impl", impl, "--data", "split",
+                                "--out", str(out)], cfg.threads, cfg.timeout_s, work / f"train_{tag}_{impl}")
+        ranks_out = json.loads(out.read_text())["ranks"]
+        train[impl] = {"wall_s": wall, "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks_out)}
+    out_dir = work / f"verify_{tag}"
+    cmd = [sys.executable, "-c", _MAX_RSS_OF_CHILDREN, sys.executable, "-m", "harness", "run", "--cases", case,
+           "--impls", "ours", "--world-sizes", str(w), "--data", "split", "--quiet", "--out", str(out_dir)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=cfg.timeout_s * 4)
+    wall = time.monotonic() - start
+    rss, rc = (int(x) for x in proc.stdout.strip().splitlines()[-1].split())
+    if rc != 0:
+        raise BenchError(f"harness run --cases {case} exited {rc}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    from cases.catalog import get_case
+
+    params = sum(p.numel() for p in get_case(case).build_model().parameters())
+    training_wall = train["plain"]["wall_s"] + train["ours"]["wall_s"]
+    return {"case": case, "parameters": params, "world_size": w, "training_wall_s": training_wall,
+            "harness_wall_s": wall, "ratio": wall / training_wall, "output_bytes": _dir_bytes(out_dir),
+            "training_peak_rss_bytes": max(t["peak_rss_bytes"] for t in train.values()),
+            "harness_peak_rss_bytes": rss}
 
 
 # glibc serves allocations below a threshold it raises up to 32 MiB as blocks are freed from its
@@ -429,9 +477,25 @@ def render_markdown(result: dict) -> str:
                           f"{t['fuzz_parent_cpu_ms']:.0f} ms in the fuzzer (drawing, the reference, the checks). "
                           f"On {t['cores']} cores no schedule runs more than "
                           f"{t['cores'] * 1e3 / t['fuzz_cpu_ms']:.1f} examples/s of these."]
+    if result.get("verify_cost"):
+        lines += ["", "## Verifying vs training (GPT-2 shapes, split data, 2 AdamW steps)", "",
+                  *_verify_cost_markdown(result["verify_cost"])]
     return "\n".join(lines) + "\n"
 
 
+def _verify_cost_markdown(rows: list[dict]) -> list[str]:
+    table = [[r["case"].rsplit(":", 1)[-1], f"{r['parameters'] / 1e6:.1f}M", f"{r['training_wall_s']:.0f} s",
+              f"{r['harness_wall_s']:.0f} s", f"{r['ratio']:.1f}x", _mb(r["output_bytes"]),
+              _mb(r["training_peak_rss_bytes"]), _mb(r["harness_peak_rss_bytes"])] for r in rows]
+    return [tabulate(table, headers=["model", "parameters", "training alone", "harness run", "ratio",
+                                     "output dir (MiB)", "training peak RSS (MiB)", "harness peak RSS (MiB)"], tablefmt="github"),
+            "", f"Training alone: the plain model in one rank, then ours at W = {rows[0]['world_size']}, each a "
+            "torchrun launch (imports included); harness run: `--impls ours --world-sizes "
+            f"{rows[0]['world_size']} --data split` of the same case: its wall time, its output directory after the "
+            "run (a passing cell keeps no snapshots) and the largest RSS of any of its processes."]
+
+
 def write_outputs(result: dict, out_dir: Path) -> None:
+
     for name, text in (("bench.json", json.dumps(result, indent=1)), ("bench.md", render_markdown(result))):
         write_atomic_text(out_dir / name, text)
