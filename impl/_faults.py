@@ -38,6 +38,9 @@ FAULTS: dict[str, str] = {
     "unused_params_stepped": "a parameter that had no gradient on any rank gets a zero one, so the optimizer "
                              "steps it (weight decay, moments, AdamW's step count), as when a unit's flat "
                              "parameter was stepped whole",
+    "state_gather_rank_order": "the all-gather behind full state dicts places each rank's shard one slot "
+                               "later (rank r's block lands at r + 1): the shards stay right, the gathered "
+                               "parameters are wrong",
     "reduce_at_last_gradient": "a unit starts its reduction when its last view gets a gradient on this rank (or at "
                                "the end of backward), a moment ranks that give different parameters a gradient "
                                "do not share: their collectives fall out of step",
@@ -66,9 +69,20 @@ class Seams:
         return False
 
 
+    def gathered_blocks(self, blocks):
+        """The (W, numel) blocks of a state-dict all-gather, one row per rank of the shard group,
+        before they are read rank after rank (`gather_full_many` in impl/_handle.py)."""
+        return blocks
+
+
 class _StepUnusedParams(Seams):
     def used_slots(self, used: list[bool]) -> list[bool]:
         return [True] * len(used)
+
+
+class _StateGatherRankOrder(Seams):
+    def gathered_blocks(self, blocks):
+        return blocks.roll(1, dims=0)
 
 
 class _ReduceAtLastGradient(Seams):
@@ -77,7 +91,8 @@ class _ReduceAtLastGradient(Seams):
 
 
 SEAM_FAULTS: dict[str, type[Seams]] = {"unused_params_stepped": _StepUnusedParams,
-                                       "reduce_at_last_gradient": _ReduceAtLastGradient}
+                                       "reduce_at_last_gradient": _ReduceAtLastGradient,
+                                       "state_gather_rank_order": _StateGatherRankOrder}
 
 
 def seams_for(faults: frozenset[str]) -> Seams:

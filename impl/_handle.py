@@ -625,7 +625,7 @@ def gather_full_many(pairs: list[tuple[FlatParamHandle, torch.Tensor]]) -> list[
             send = torch.cat([pairs[i][1].detach().reshape(-1) for i in run])
             gathered = send.new_empty(comm.shard_world_size * send.numel())
             all_gather_into(gathered, send, comm.shard_group)
-            blocks, at = gathered.view(comm.shard_world_size, send.numel()), 0
+            blocks, at = comm.seams.gathered_blocks(gathered.view(comm.shard_world_size, send.numel())), 0
             for i in run:
                 handle, numel = pairs[i][0], pairs[i][1].numel()
                 # Rank after rank, copied into a buffer of its own: a view could keep the gathered

@@ -153,10 +153,35 @@ def test_declaring_zero_padding_fails_the_padding_check_on_fsdp1s_42(evidence):
         first.describe("planted")
 
 
-def test_a_layout_one_element_off_is_an_error_naming_the_parameter(evidence):
+def test_a_valid_layout_whose_shards_differ_from_the_full_parameter_is_a_mismatch_the_cell_fails_for(evidence):
+    """Structurally valid, but its slice of the raw shards is not the gathered parameter: the
+    implementation's state contradicts itself (or the layout misplaces it), a fail, not an error."""
     snaps, _, _ = evidence
-    with pytest.raises(LayoutError, match=r"step 1: layout of 'layers.1.weight' .*does not reproduce the full "
-                                          r"parameter"):
+    snap = copy.deepcopy(snaps["fsdp1"])
+    rec = snap["steps"][0]
+    layout = snap["layouts"]["layers.1.weight"]
+    rows = rec["shards"][layout["flat_key"]]
+    at = int(layout["offset"]) + 3  # the parameter's element 3, in whichever rank's shard holds it
+    rows.view(-1)[at] += 0.5  # the shard nudged, the gathered parameter left as it was
+    found = check_layouts(snap, _sizes())
+    assert [(m.step, m.name, m.index, m.count, m.rank) for m in found] == [
+        (1, "layers.1.weight", 3, 1, at // rows.shape[1])], found
+    m = found[0]
+    assert m.shard == m.full + 0.5 or abs(m.shard - m.full - 0.5) < 1e-6, m
+    from harness.judge.result import Violation
+    from harness.judge.verdict import _add_gathered_mismatches
+    from harness.judge.diff import OptimizerResult
+
+    opt = OptimizerResult("sgd")
+    _add_gathered_mismatches(opt, "sgd", found)
+    text = opt.violations[0].describe("cell")
+    assert opt.verdict.value == "fail" and "the gathered full parameter holds" in text and f"rank {m.rank}'s raw shard" in text
+    assert check_layouts(snaps["fsdp1"], _sizes()) == []
+
+
+def test_a_layout_one_element_off_reaches_the_padding_and_is_an_error_naming_the_parameter(evidence):
+    snaps, _, _ = evidence
+    with pytest.raises(LayoutError, match=r"padding interval .* covers elements of 'layers.1.weight'"):
         check_layouts(snaps["shifted_layout"], _sizes())
 
 

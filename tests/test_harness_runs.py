@@ -343,6 +343,24 @@ def test_a_reordered_backward_passes_and_a_doubled_contribution_fails(tmp_path_f
             assert doubled["first_divergence"]["ratio"] > 1e3, doubled["first_divergence"]
 
 
+@pytest.mark.slow
+def test_gathered_parameters_that_contradict_their_shards_fail_naming_the_shard_not_the_adapter(tmp_path):
+    """impl's state-dict all-gather places each rank's shard one slot late (the planted
+    state_gather_rank_order): the raw shards are right, the gathered parameters are not. The cell
+    fails (it was an `error` blaming the adapter's layouts), and the replicas check names the
+    element, both values and the rank whose shard holds it."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "harness", "run", "--cases", "mlp", "--impls", "ours",
+                           "--world-sizes", "2", "--data", "split", "--steps", "1", "--faults", "state_gather_rank_order",
+                           "--quiet", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (cell,) = json.loads((out / "summary.json").read_text())["cells"]
+    assert cell["verdict"] == "fail" and cell["error"] is None, cell["error"]
+    gathered = cell["failed_checks"]["replicas"]["first"]
+    assert "the gathered full parameter holds" in gathered and "raw shard holds" in gathered, gathered
+    assert "layouts contradict" not in proc.stdout
+
+
 # -- every feature case at W = 2 and 4, ours and fsdp2, in one run (one launch per world size) -----
 
 FEATURE_WORLD_SIZES = (2, 4)

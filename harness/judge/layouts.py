@@ -13,16 +13,38 @@ with that step's layouts (a resharding checkpoint changes them mid-run):
   the replicas check compares the other replicas);
 - no padding interval of any rank may cover an element a layout assigns to a parameter;
 - "dim0" layouts must describe the parameter's rows; unknown kinds or names are refused.
-A violation raises LayoutError naming the parameter: the cell is an `error`, never judged.
+A structural violation (a name, kind, size or padding interval that cannot be right) raises
+LayoutError naming the parameter: the cell is an `error`, never judged. A structurally valid layout
+whose slice differs from the full parameter is returned as a `GatheredMismatch` instead: the
+implementation's gathered parameters and its own raw shards disagree, a self-inconsistent state the
+cell fails for (a `replicas` violation naming the element, both values and the owning rank); only
+the adapter could also have misplaced it in layouts(), and the message says so.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
 class LayoutError(ValueError):
     """An adapter's layouts contradict its raw shards or the model (the cell is an error)."""
+
+
+@dataclass(frozen=True)
+class GatheredMismatch:
+    """A full parameter whose bits differ from the raw shards a valid flat layout names: at `step`,
+    the first differing element `index` holds `full` gathered and `shard` in rank `rank`'s shard;
+    `count` elements differ."""
+
+    step: int
+    name: str
+    index: int
+    full: float
+    shard: float
+    rank: int
+    count: int
 
 
 KINDS = ("flat", "dim0", "replicated")
@@ -71,16 +93,19 @@ def _describe(name: str, layout: dict) -> str:
     return f"layout of '{name}' (" + ", ".join(f"{k}={layout.get(k)!r}" for k in keys) + ")"
 
 
-def check_layouts(snap: dict, sizes: dict[str, torch.Size], aliases: dict[str, str] | None = None) -> None:
-    """Raise LayoutError unless every layout of the snapshot agrees with its raw shards at every
-    step and with the model's parameter sizes. `sizes` include tied names; `aliases` maps each
-    tied name to the name its evidence is recorded under."""
+def check_layouts(snap: dict, sizes: dict[str, torch.Size], aliases: dict[str, str] | None = None) -> list[GatheredMismatch]:
+    """Raise LayoutError unless every layout of the snapshot is structurally valid at every step
+    (names, kinds, sizes, padding intervals); return where a valid flat layout's slice of the raw
+    shards differs from the full parameter ([Note: Layout validation]). `sizes` include tied names;
+    `aliases` maps each tied name to the name its evidence is recorded under."""
     num_ranks = int(snap["world_size"])
     _check_names(snap.get("layouts"), sizes, num_ranks)
+    mismatches: list[GatheredMismatch] = []
     for rec in snap["steps"]:
         layouts = rec.get("layouts", snap["layouts"])  # a resharding case changes them mid-run
         _check_names(layouts, sizes, num_ranks, rec["step"])
-        _check_step(rec, layouts, sizes, num_ranks, aliases or {})
+        mismatches += _check_step(rec, layouts, sizes, num_ranks, aliases or {})
+    return mismatches
 
 
 def _check_names(layouts, sizes: dict[str, torch.Size], num_ranks: int, step: int = 0) -> None:
@@ -103,8 +128,9 @@ def _check_names(layouts, sizes: dict[str, torch.Size], num_ranks: int, step: in
 
 
 def _check_step(rec: dict, layouts: dict, sizes: dict[str, torch.Size], num_ranks: int,
-                aliases: dict[str, str]) -> None:
+                aliases: dict[str, str]) -> list[GatheredMismatch]:
     step = rec["step"]
+    mismatches: list[GatheredMismatch] = []
     claimed: dict[str, list[tuple[int, int, str]]] = {}  # flat key -> [start, end) of each parameter
     for name, layout in layouts.items():
         if layout["kind"] != "flat":
@@ -129,13 +155,16 @@ def _check_step(rec: dict, layouts: dict, sizes: dict[str, torch.Size], num_rank
         # replicas agree is the replicas check's question, not the layout's.
         full = rec["params"][aliases.get(name, name)]
         piece = assemble_flat(layout, rows, sizes[name])
+        if full.shape != sizes[name]:
+            raise LayoutError(f"step {step}: the full parameter '{name}' has shape {tuple(full.shape)}, the model's "
+                              f"is {tuple(sizes[name])}")
         if not same_bits(piece, full.to(piece.dtype)):
-            bad = (piece.reshape(-1) != full.reshape(-1).to(piece.dtype)).nonzero()
-            at = int(bad[0].item()) if bad.numel() else 0
-            raise LayoutError(
-                f"step {step}: {_describe(name, layout)} does not reproduce the full parameter from the raw "
-                f"shards of ranks 0..{group - 1}: element {at} is {piece.reshape(-1)[at].item()!r} in the shards, "
-                f"{full.reshape(-1)[at].item()!r} in full; fix the adapter's layouts()")
+            a, b = piece.reshape(-1), full.reshape(-1).to(piece.dtype)
+            a_bits, b_bits = (t.contiguous().view(torch.uint8).view(-1, t.element_size()) for t in (a, b))
+            bad = (a_bits != b_bits).any(dim=1).nonzero()
+            at = int(bad[0].item())
+            mismatches.append(GatheredMismatch(step, name, at, b[at].item(), a[at].item(),
+                                               (offset + at) // rows.shape[1], int(bad.numel())))
         claimed.setdefault(key, []).append((offset, offset + numel, name))
     for key, ranges in claimed.items():
         intervals = rec["padding_intervals"].get(key, [])
@@ -150,3 +179,4 @@ def _check_step(rec: dict, layouts: dict, sizes: dict[str, torch.Size], num_rank
                             f"step {step}: rank {rank}'s padding interval [{start}, {end}) of '{key}' covers "
                             f"elements of '{name}' (padded-buffer range [{lo}, {hi})); fix the adapter's "
                             f"layouts() or raw_shards() padding_intervals")
+    return mismatches

@@ -58,6 +58,7 @@ class Violation:
     num_violating: int = 1  # elements of this tensor beyond tolerance (bias: the elements counted)
     statistic: str | None = None  # bias: BIAS_STATISTICS key of the tilted count
     lost_gradient: bool = False  # grad: no gradient where the plain model has one (expected: its largest |g|)
+    gathered: bool = False  # replicas: the gathered full parameter (actual) vs its raw shard (expected)
 
     def sort_key(self) -> tuple:
         return (self.step, CHECK_ORDER.index(self.check), -self.ratio)
@@ -68,6 +69,12 @@ class Violation:
             where += f"[{self.index}]"
             if self.coords is not None:
                 where += f" at {self.coords}"
+        if self.check == "replicas" and self.gathered:
+            return (f"{cell_id} optimizer={self.optimizer} step={self.step} replicas: {where}: the gathered full "
+                    f"parameter holds {self.actual!r} where rank {self.rank}'s raw shard holds {self.expected!r} "
+                    f"({self.num_violating} element(s) differ): the implementation's gathered state disagrees with "
+                    f"its own shards (an all-gather that misplaces or alters a shard), or the adapter's layouts() "
+                    f"misplace the parameter")
         if self.check == "replicas":
             return (f"{cell_id} optimizer={self.optimizer} step={self.step} replicas: {where}: rank {self.rank}'s "
                     f"full tensor differs bitwise from the other ranks' (replicas must be identical)")

@@ -106,6 +106,17 @@ def _trajectory(snap: dict, order: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _add_gathered_mismatches(opt, kind: str, mismatches) -> None:
+    """A full parameter that differs from the raw shards its valid layout names fails the cell:
+    the implementation's gathered state contradicts its own shards ([Note: Layout validation])."""
+    for m in mismatches:
+        opt.violations.append(Violation(kind, m.step, "replicas", m.name, float("inf"), abs(m.full - m.shard), 0.0,
+                                        m.full, m.shard, index=m.index, rank=m.rank, num_violating=m.count,
+                                        gathered=True))
+    if mismatches:
+        opt.margins["replicas"] = float("inf")
+
+
 class Judge:
     """The judging of one run's cells: each against its case's reference, references first.
 
@@ -171,7 +182,7 @@ class Judge:
         except EvidenceError as e:
             raise EvidenceError(f"snapshot {path}: {e}") from None
         try:
-            check_layouts(snap, *layout_names[cell.case])
+            snap["gathered_mismatches"] = check_layouts(snap, *layout_names[cell.case])
         except LayoutError as e:
             raise LayoutError(f"optimizer={kind}: {e}") from None
         return snap
@@ -213,6 +224,7 @@ class Judge:
                                                        f"(no verdict):\n{traceback.format_exc()}"), None
             if opt.error is not None:
                 return CellResult(cell, Verdict.ERROR, optimizers={kind: opt}, error=f"optimizer={kind}: {opt.error}"), None
+            _add_gathered_mismatches(opt, kind, snap.get("gathered_mismatches", ()))
             result.optimizers[kind] = opt
         if result.violations:
             result.verdict = Verdict.FAIL
