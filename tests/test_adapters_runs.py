@@ -66,7 +66,10 @@ def test_a_wrong_layout_is_an_error_naming_the_parameter(fsdp1_run):
         cell = cells[f"mlp.shifted_layout.w2.{data}"]
         assert cell["verdict"] == "error", cell
         assert "layouts contradict its raw shards" in cell["error"], cell["error"]
-        assert "layout of 'layers.1.weight'" in cell["error"] and "does not reproduce" in cell["error"], cell["error"]
+        # Shifted by one element, the layout's last element lands in a padding interval: a layout that
+        # cannot be right is an error naming the parameter (a structurally valid one whose shards differ
+        # from the gathered parameter fails instead: tests/test_adapters.py).
+        assert "covers elements of 'layers.1.weight'" in cell["error"], cell["error"]
 
 
 @pytest.mark.slow
