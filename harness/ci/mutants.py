@@ -425,6 +425,14 @@ def _run(out_dir: Path, sub: Path, impl: str, faults: list[str], descriptions: d
     rows = [MutantRow(HONEST, "unmutated", gate.get(HONEST, []) + fuzz.get(HONEST, []))]
     rows += [MutantRow(f, descriptions[f], gate.get(f, []) + fuzz.get(f, []),
                        None if f in runnable else "n/a: planted inside impl/, impl=ours only") for f in faults]
+    for row in rows[1:]:
+        # A fault that can act on none of the batteries' cases (the feature it needs is in none of
+        # them) is named n/a with that need, never counted as missed nor as caught.
+        battery = GATE_CASES + FAULT_CASES.get(row.mutant, ()) + tuple(arch_cases or ())
+        if row.cannot_take is None and not row.caught and row.mutant in FAULT_NEEDS and all(
+                fault_cannot_act(row.mutant, c) for c in battery):
+            row.cannot_take = (f"n/a: acts on none of the batteries' cases (needs "
+                               f"{FAULT_NEEDS[row.mutant]})")
     honest = rows[0]
     honest_margin = honest.ratio()
     mutants = [r for r in rows[1:] if not r.not_applicable]
