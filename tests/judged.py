@@ -6,11 +6,13 @@ pass "bitwise" vacuously; verdict-level tests call `assert_judged` on every cell
 
 from __future__ import annotations
 
+import copy
 import csv
 from pathlib import Path
 
 from cases.catalog import get_case
-from harness.judge.result import CHECK_ORDER
+from harness.judge.diff import check_snapshot
+from harness.judge.result import CHECK_ORDER, Violation
 
 
 # Checks with a tolerance: steps.csv names, per step, the element nearest it (harness/report/build.py), so
@@ -62,3 +64,16 @@ def assert_judged(out: Path, cell: dict, steps: int, padding: bool) -> None:
         per_step = recorded.get((cell["cell_id"], kind), {})
         for key in ("loss",) + PER_STEP_CHECKS:
             assert per_step.get(key) == list(range(1, steps + 1)), (cell["cell_id"], kind, key, per_step)
+
+
+def judge_violations(evidence, damage=None) -> list[Violation]:
+    """The violations `check_snapshot` finds in (snap, ref, init) `evidence`, first divergence first,
+    after `damage(snap)` on a copy (the evidence itself is left as it was); the judgement must
+    reach a verdict."""
+    snap, ref, init = evidence
+    snap = copy.deepcopy(snap)
+    if damage is not None:
+        damage(snap)
+    result = check_snapshot(snap, init, ref)
+    assert result.error is None, result.error
+    return sorted(result.violations, key=Violation.sort_key)

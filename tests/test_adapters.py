@@ -11,7 +11,6 @@ import copy
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from cases.catalog import get_case
@@ -168,7 +167,6 @@ def test_a_valid_layout_whose_shards_differ_from_the_full_parameter_is_a_mismatc
         (1, "layers.1.weight", 3, 1, at // rows.shape[1])], found
     m = found[0]
     assert m.shard == m.full + 0.5 or abs(m.shard - m.full - 0.5) < 1e-6, m
-    from harness.judge.result import Violation
     from harness.judge.verdict import _add_gathered_mismatches
     from harness.judge.diff import OptimizerResult
 

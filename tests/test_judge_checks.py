@@ -11,7 +11,6 @@ check stops reporting (see tests/judge_mutants.py).
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from harness.run.orchestrate import write_init_states
 from harness.run.plan import build_plan
 from harness.run.snapshot import load_init
 from harness.run.worker import run_cell
+from judged import judge_violations
 
 STEPS = 3
 
@@ -41,16 +41,6 @@ def evidence(tmp_path_factory):
     ref = run_cell(ref_cell, spec, init, ctx, out / "scratch")
     snap = run_cell(cell, spec, init, ctx, out / "scratch")
     return snap, ref, init
-
-
-def _judge(evidence, damage=None) -> list[Violation]:
-    snap, ref, init = evidence
-    snap = copy.deepcopy(snap)
-    if damage is not None:
-        damage(snap)
-    result = check_snapshot(snap, init, ref)
-    assert result.error is None, result.error
-    return sorted(result.violations, key=Violation.sort_key)
 
 
 def _only(violations: list[Violation], check: str) -> Violation:
@@ -80,7 +70,7 @@ def test_init_one_ulp_off_fails_at_step_0(evidence):
         p = snap["init"]["params"]["layers.1.weight"]
         p.view(-1)[7] = _next(p.view(-1)[7])
 
-    first = _only(_judge(evidence, damage), "init")
+    first = _only(judge_violations(evidence, damage), "init")
     assert (first.step, first.name, first.index, first.coords) == (0, "layers.1.weight", 7, (0, 7))
 
 
@@ -89,7 +79,7 @@ def test_loss_one_ulp_off_fails_at_its_step_on_its_rank(evidence):
         loss = snap["steps"][1]["loss"]
         loss[0] = _next(loss[0])
 
-    first = _only(_judge(evidence, damage), "loss")
+    first = _only(judge_violations(evidence, damage), "loss")
     assert (first.step, first.name, first.rank) == (2, "<loss>", 0)
 
 
@@ -98,7 +88,7 @@ def test_a_gradient_element_off_by_1e_4_fails_the_grad_check(evidence):
         g = snap["steps"][2]["grads"]["layers.0.weight"]
         g.view(-1)[5] *= 1 + 1e-4
 
-    violations = _judge(evidence, damage)
+    violations = judge_violations(evidence, damage)
     first = _only(violations, "grad")
     assert (first.step, first.name, first.index, first.rank) == (3, "layers.0.weight", 5, 0)
     assert first.num_violating == 1 and first.ratio > 1
@@ -109,7 +99,7 @@ def test_a_parameter_element_off_by_1e_4_fails_the_param_check(evidence):
         p = snap["steps"][0]["params"]["layers.2.bias"]
         p.view(-1)[1] *= 1 + 1e-4
 
-    first = _only(_judge(evidence, damage), "param")
+    first = _only(judge_violations(evidence, damage), "param")
     assert (first.step, first.name, first.index, first.rank) == (1, "layers.2.bias", 1, 0)
 
 
@@ -121,7 +111,7 @@ def test_a_frozen_style_exact_parameter_is_judged_even_without_a_gradient(eviden
         del rec["shadow"]["abs_grads"]["layers.3.bias"]
         rec["params"]["layers.3.bias"] = _next(rec["shadow"]["params"]["layers.3.bias"])
 
-    first = _only(_judge(evidence, damage), "param")
+    first = _only(judge_violations(evidence, damage), "param")
     assert (first.step, first.name, first.tol) == (2, "layers.3.bias", 0.0)
 
 
@@ -134,7 +124,7 @@ def test_a_replica_that_differs_on_one_rank_fails_the_replicas_check(evidence):
         other[0, column] += 1
         replicas["digests"] = torch.cat([digests, digests, other])  # ranks 0 and 1 agree, rank 2 not
 
-    first = _only(_judge(evidence, damage), "replicas")
+    first = _only(judge_violations(evidence, damage), "replicas")
     assert (first.step, first.name, first.rank) == (2, "layers.1.bias (grad)", 2)
 
 
@@ -148,6 +138,6 @@ def test_a_non_zero_padding_element_fails_the_padding_check(evidence, grad):
         rows = (snap["steps"][1]["shard_grads"] if grad else snap["steps"][1]["shards"])[key]
         rows[0, end - 1] = 0.5
 
-    first = _only(_judge(evidence, damage), "padding")
+    first = _only(judge_violations(evidence, damage), "padding")
     assert (first.step, first.name, first.index, first.rank, first.in_padding) == (
         2, key + (" (grad)" if grad else ""), end - 1, 0, True)

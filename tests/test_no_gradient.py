@@ -11,7 +11,6 @@ stepped) fails naming the parameter that moved, and the honest evidence passes.
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
@@ -23,13 +22,12 @@ import torch
 from cases.catalog import get_case
 from harness.adapters import RankContext
 from harness.judge.diff import check_snapshot
-from harness.judge.result import Violation
 from harness.run.orchestrate import write_init_states
 from harness.run.plan import build_plan
 from harness.run.rank import NO_GRADIENT_DIGEST, pick_grads, replica_digests
 from harness.run.snapshot import load_init
 from harness.run.worker import run_cell
-from judged import assert_judged
+from judged import assert_judged, judge_violations
 
 CASE = "tests/data/tagger_head.py:make_case"
 UNUSED = ("tagger.weight", "tagger.bias")
@@ -53,23 +51,13 @@ def evidence(request, tmp_path_factory):
     return _run(tmp_path_factory.mktemp(f"no-gradient-{request.param}"), request.param)
 
 
-def _judge(evidence, damage=None) -> list[Violation]:
-    snap, ref, init = evidence
-    snap = copy.deepcopy(snap)
-    if damage is not None:
-        damage(snap)
-    result = check_snapshot(snap, init, ref)
-    assert result.error is None, result.error
-    return sorted(result.violations, key=Violation.sort_key)
-
-
 def test_the_honest_run_leaves_the_head_without_a_gradient_where_the_plain_model_does(evidence):
     snap, ref, init = evidence
     for rec in snap["steps"]:
         assert not set(UNUSED) & set(rec["grads"]) and not set(UNUSED) & set(rec["shadow"]["grads"])
         for name in UNUSED:
             assert torch.equal(rec["params"][name], init[name]), name  # never moved
-    assert _judge(evidence) == []
+    assert judge_violations(evidence) == []
 
 
 def test_a_zero_gradient_where_the_plain_model_has_none_is_no_gradient(evidence):
@@ -77,7 +65,7 @@ def test_a_zero_gradient_where_the_plain_model_has_none_is_no_gradient(evidence)
         for rec in snap["steps"]:
             rec["grads"].update({n: torch.zeros_like(rec["params"][n]) for n in UNUSED})
 
-    assert _judge(evidence, damage) == []
+    assert judge_violations(evidence, damage) == []
 
 
 @pytest.mark.parametrize("value", [1e-30, float("nan")])
@@ -87,7 +75,7 @@ def test_a_nonzero_gradient_where_the_plain_model_has_none_fails_the_grad_check(
         grad[1, 2] = value
         snap["steps"][1]["grads"]["tagger.weight"] = grad
 
-    violations = [v for v in _judge(evidence, damage) if v.check == "grad"]
+    violations = [v for v in judge_violations(evidence, damage) if v.check == "grad"]
     assert [(v.step, v.name, v.index, v.expected, v.tol) for v in violations] == [(2, "tagger.weight", 18, 0.0, 0.0)]
 
 
@@ -95,7 +83,7 @@ def test_a_gradient_missing_where_the_plain_model_has_one_fails_naming_it(eviden
     def damage(snap):
         del snap["steps"][0]["grads"]["head.bias"]
 
-    first = _judge(evidence, damage)[0]
+    first = judge_violations(evidence, damage)[0]
     assert (first.step, first.check, first.name, first.lost_gradient) == (1, "grad", "head.bias", True), first
 
 
@@ -104,7 +92,7 @@ def test_a_parameter_without_a_gradient_that_moved_fails_the_param_check(evidenc
         p = snap["steps"][0]["params"]["tagger.bias"]
         p[3] = torch.nextafter(p[3], torch.tensor(float("inf")))
 
-    first = _judge(evidence, damage)[0]
+    first = judge_violations(evidence, damage)[0]
     assert (first.step, first.check, first.name, first.index, first.tol) == (1, "param", "tagger.bias", 3, 0.0), first
 
 
