@@ -30,9 +30,11 @@ from harness.judge.tolerance import REORDER_FACTOR, ReductionModel, underflow_er
 
 def forward_backward(model: nn.Module, loss_fn, inputs, targets, num_micro: int,
                      before_micro: Callable[[int], None] | None = None,
-                     after_micro: Callable[[int], None] | None = None) -> torch.Tensor:
+                     after_micro: Callable[[int], None] | None = None,
+                     backward: Callable[[torch.Tensor, int], None] | None = None) -> torch.Tensor:
     """One step's forward and backward on this rank's batch (inputs and targets: pytrees of
-    tensors, cases/data.py); returns the local loss.
+    tensors, cases/data.py); returns the local loss. `backward(loss, i)`, when given, replaces
+    `loss.backward()` of micro-batch i (the shadow's reordered replays run it several times).
 
     With num_micro > 1 the batch is chunked into micro-batches, each loss divided by num_micro,
     gradients accumulated by autograd, and the returned loss is 0 + l_1/M + l_2/M + ... in the
@@ -41,7 +43,7 @@ def forward_backward(model: nn.Module, loss_fn, inputs, targets, num_micro: int,
         if before_micro is not None:
             before_micro(0)
         loss = _local_loss(model, loss_fn, inputs, targets)
-        loss.backward()
+        loss.backward() if backward is None else backward(loss, 0)
         if after_micro is not None:
             after_micro(0)
         return loss.detach()
@@ -50,7 +52,7 @@ def forward_backward(model: nn.Module, loss_fn, inputs, targets, num_micro: int,
         if before_micro is not None:
             before_micro(i)
         loss = _local_loss(model, loss_fn, x, y) / num_micro
-        loss.backward()
+        loss.backward() if backward is None else backward(loss, i)
         if after_micro is not None:
             after_micro(i)
         total = torch.zeros((), dtype=loss.dtype, device=loss.device) if total is None else total
@@ -219,7 +221,7 @@ class Shadow:
                     after_rank0 = {n: b.detach().clone() for n, b in self.buffers.items()}
                 if draws:
                     self._set_buffers(before)  # the reordered replays' forward is the same forward
-                    self._reordered(inputs, targets, num_micro, draws, uses, harvest_into, rank)
+                    self._reordered(inputs, targets, num_micro, draws, harvest_into, rank)
         finally:
             self._retie()
         if after_rank0:
@@ -235,16 +237,13 @@ class Shadow:
         return (torch.stack(losses), {n: s / world_size for n, s in grad_sum.items()},
                 {n: s / world_size for n, s in abs_sum.items()}, {n: d / world_size for n, d in deviation.items()})
 
-    def _reordered(self, inputs, targets, num_micro: int, draws: list[dict], uses, harvest_into, rank: int) -> None:
+    def _reordered(self, inputs, targets, num_micro: int, draws: list[dict], harvest_into, rank: int) -> None:
         """Add to each of `draws` this rank's local gradient terms under perturbed accumulation
         ([Note: Reordered accumulation]): one forward per micro-batch, one backward per draw."""
         u = unit_roundoff(self.case.features.compute_dtype)
         state: dict = {}
-        chunks = [(inputs, targets)] if num_micro == 1 else list(micro_batches((inputs, targets), num_micro))
-        for i, (x, y) in enumerate(chunks):
-            loss = _local_loss(self.model, self.case.loss_fn, x, y)
-            if num_micro > 1:
-                loss = loss / num_micro
+
+        def jittered(loss: torch.Tensor, i: int) -> None:
             handles = _jitter_hooks(loss, u, state)
             try:
                 for d, sums in enumerate(draws):
@@ -256,6 +255,8 @@ class Shadow:
                 state.clear()
                 for h in handles:
                     h.remove()
+
+        forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro, backward=jittered)
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
