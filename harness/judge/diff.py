@@ -475,128 +475,8 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
     models, which have no free-running reference); `case` the cell's case when it is not in the
     catalog. Raises ReferenceDiverged when the reference is not finite, ValueError when
     the evidence is inconsistent (missing steps, shapes). Each check runs on one flat tensor per
-    step ([Note: Batched checks])."""
-    cell = snap["cell"]
-    case = case if case is not None else get_case(cell["case"])
-    spec = case.optimizer(snap["optimizer"])
-    world_size = int(snap["world_size"])
-    step_bounds = StepBounds(case, spec, world_size)
-    reduction, u_param = step_bounds.reduction, step_bounds.u_param
-    result = OptimizerResult(snap["optimizer"])
-    stats = {c: CheckStats() for c in CHECK_ORDER}
-    stats["grad"].u = reduction.u
-    stats["param"].u = u_param
-    stats["trajectory"].u = u_param
-    layouts = snap["layouts"]
-    viol = result.violations
-    kind = spec.kind
-    padding = snap["padding"]  # the adapter's declared convention (harness/adapters/base.py, Padding)
-
-    def shard_rows(rec):
-        """(key, (W, shard_numel) rows, whether its padding is declared zero) of every raw shard."""
-        return ([(k, t, padding["params"] == "zero") for k, t in rec["shards"].items()]
-                + [(k + " (grad)", t, padding["grads"] == "zero") for k, t in rec["shard_grads"].items()])
-
-    def intervals_of(rec, key):
-        return rec["padding_intervals"][key.removesuffix(" (grad)")]
-
-    step_worst: dict[tuple[int, str], dict] = {}  # (step, check) -> the element nearest its tolerance
-    segments_by_size: dict[tuple, Segments] = {}
-
-    def segments(tensors: dict[str, torch.Tensor]) -> Segments:
-        """The segments of `tensors` in their order (built once per layout: every step has the same)."""
-        sizes = tuple(t.shape for t in tensors.values())
-        if sizes not in segments_by_size:
-            segments_by_size[sizes] = Segments(list(sizes))
-        return segments_by_size[sizes]
-
-    def judge(check, step, names, seg, actual, expected, tol, step_layouts) -> list[Violation | None]:
-        """Per tensor (segment), its violation or None; the step's worst element and the check's
-        statistics folded in tensor order."""
-        worst = step_worst.setdefault((step, check), {})
-        out = []
-        for name, size, o in zip(names, seg.sizes, judge_segments(seg, actual, expected, tol)):
-            stats[check].add(o.numel, o.max_ratio)
-            if o.numel and not o.max_ratio <= worst.get("margin", -1.0):
-                worst.update(margin=o.max_ratio, diff=o.worst_diff, tol=o.worst_tol, name=name)
-            out.append(None if o.failing is None else
-                       _failing_violation(kind, step, check, name, size, step_layouts.get(name), o.failing))
-        return out
-
-    def nonfinite(step, names, tensors, step_layouts) -> list[Violation | None]:
-        out: list[Violation | None] = [None] * len(names)
-        for s in _nonfinite_segments(tensors):
-            out[s] = _nonfinite(kind, step, names[s], tensors[s], step_layouts.get(names[s]))
-        return out
-
-    def tilt_of(step, name, counts, statistics) -> Violation | None:
-        """The bias check's violation of one count pair, or None; its margin folded in."""
-        tilt = _bias_violation(kind, step, name, counts, statistics)
-        stats["bias"].add(1, tilt.ratio if tilt else 0.0)
-        worst = step_worst.setdefault((step, "bias"), {})
-        if tilt and not tilt.ratio <= worst.get("margin", -1.0):
-            worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
-        return tilt if tilt and not tilt.ratio <= 1 else None
-
-    def update_bias(step, names, seg, params_flat, replayed, before, run_counts) -> SignCounts:
-        """The bias check of the step's update ([Note: Update bias]), per parameter and over the
-        run; returns the run's counts with this step's first differences added."""
-        diff, update = params_flat - replayed, replayed - before
-        for name, counts in zip(names, sign_counts(seg, diff, update, before)):
-            tilt = tilt_of(step, name, counts, UPDATE_STATISTICS)
-            if tilt:
-                viol.append(tilt)
-        seen = seg.flat([differed.get(n, torch.zeros(size)) for n, size in zip(names, seg.sizes)]) != 0
-        first = sign_counts(seg, torch.where(seen, 0.0, diff), update, before)
-        for name, part, size in zip(names, seg.split(seen | (diff != 0)), seg.sizes):
-            differed[name] = part.view(size)
-        run_counts = sum(first, run_counts)
-        tilt = tilt_of(step, ALL_PARAMETERS, run_counts, RUN_UPDATE_STATISTICS)
-        if tilt:
-            viol.append(tilt)
-        return run_counts
-
-    def without_a_gradient(step, cell_grads, replay_grads, step_layouts) -> list[Violation]:
-        """The grad violations of the parameters the cell and the replay do not both give a gradient
-        ([Note: Parameters without a gradient]): a gradient not exactly zero where the replay has
-        none (judged against 0, tolerance 0), and none where the replay has one."""
-        nonzero = [n for n, g in cell_grads.items() if n not in replay_grads and not bool((g == 0).all())]
-        out = []
-        if nonzero:
-            seg = segments({n: cell_grads[n] for n in nonzero})
-            zeros = torch.zeros(seg.total, dtype=torch.float64)
-            out += [v for v in judge("grad", step, nonzero, seg, seg.flat([cell_grads[n] for n in nonzero]), zeros,
-                                     zeros, step_layouts) if v]
-        for name, expected in replay_grads.items():
-            if name in cell_grads:
-                continue
-            index = int(expected.abs().reshape(-1).argmax().item()) if expected.numel() else None
-            value = expected.reshape(-1)[index].item() if index is not None else 0.0
-            stats["grad"].add(expected.numel(), float("inf"))
-            out.append(Violation(kind, step, "grad", name, float("inf"), abs(value), 0.0, float("nan"), value, index,
-                                 None if index is None else _coords(expected.shape, index),
-                                 None if index is None else owner_of(step_layouts.get(name), expected.shape, index),
-                                 num_violating=expected.numel(), lost_gradient=True))
-        return out
-
-    def same_shapes(check, step, names, actual, expected) -> Segments:
-        for name, a, e in zip(names, actual, expected):
-            if a.shape != e.shape:
-                raise ValueError(f"{check} '{name}' step={step}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
-        return segments(dict(zip(names, actual)))
-
-    init_names = list(snap["init"]["params"])
-    init_params = list(snap["init"]["params"].values())
-    expected_init = [init_state[n] for n in init_names]
-    seg = same_shapes("init", 0, init_names, init_params, expected_init)
-    stats["nonfinite"].add(seg.total)
-    init_viol = judge("init", 0, init_names, seg, seg.flat(init_params), seg.flat(expected_init),
-                      torch.zeros(seg.total, dtype=torch.float64), layouts)
-    for pair in zip(nonfinite(0, init_names, init_params, layouts), init_viol):
-        viol.extend(v for v in pair if v)
-    buffers_before = snap["init"]["buffers"]["values"]
-    viol.extend(buffer_violations(kind, 0, snap["init"]["buffers"], init_buffers or {}, None, stats["buffers"]))
-
+    step ([Note: Batched checks]); the steps are judged one after another by a CellJudge, as the
+    ranks judge them where the evidence lives ([Note: Judged where the evidence lives])."""
     steps = snap["steps"]
     ref_steps = ref["steps"] if ref is not None else None
     if ref_steps is not None and len(ref_steps) != len(steps):
@@ -606,26 +486,182 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         perturbed = ref.get("perturbed")
         if not perturbed or any(len(run) != len(steps) for run in perturbed):
             raise ValueError("the reference snapshot lacks its perturbed runs for every step (trajectory envelope)")
-
-    traj: dict[str, list[DiffStats]] = {"loss": [], "grad": [], "param": []}
-    params_before = snap["init"]["params"]
-    differed: dict[str, torch.Tensor] = {}  # per parameter, the elements that differed from a replayed step
-    run_counts = SignCounts(0, 0, 0, 0)  # the run-level update counts, each element at its first difference
+    judge = CellJudge(snap, init_state, case, init_buffers)
+    judge.start(snap["init"])
+    envelopes = []
     for i, rec in enumerate(steps):
-        step, shadow = rec["step"], rec["shadow"]
-        step_layouts = rec.get("layouts", layouts)  # a resharding case changes them mid-run
-        if any(v.check == "nonfinite" for v in viol):
-            # The cell went non-finite at an earlier step: the shadow now starts from its non-finite
-            # parameters, so later steps say nothing more; the first divergence is already named.
-            result.stopped_after = steps[i - 1]["step"] if i else 0
+        ref_rec = ref_steps[i] if ref_steps is not None else None
+        if not judge.step(rec, ref_rec):
             break
+        if ref_rec is not None:
+            envelopes.append(trajectory_envelope(ref_rec["params"], [run[i] for run in perturbed]))
+    return judge.finish(envelopes if ref is not None else None)
+
+
+class CellJudge:
+    """The checks of one (cell, optimizer) run, fed one step at a time (`start`, `step`, then
+    `finish`): what `check_snapshot` runs over a snapshot, and a rank runs over its own evidence
+    as it is taken, holding one step's tensors at a time ([Note: Judged where the evidence lives]).
+
+    `header` is a snapshot's head: {"cell": Cell.to_json(), "optimizer", "world_size", "layouts",
+    "padding"}. The trajectory check's deviations are taken at every step (`trajectory`), and judged
+    in `finish` against the reference's envelope, which the reference cell computes (on another
+    rank, possibly at the same time)."""
+
+    def __init__(self, header: dict, init_state: dict[str, torch.Tensor], case: Case | None = None,
+                 init_buffers: dict[str, torch.Tensor] | None = None) -> None:
+        cell = header["cell"]
+        self.case = case if case is not None else get_case(cell["case"])
+        self.spec = self.case.optimizer(header["optimizer"])
+        self.split = cell["data_mode"] == "split"
+        self.kind = self.spec.kind
+        self.step_bounds = StepBounds(self.case, self.spec, int(header["world_size"]))
+        self.init_state = init_state
+        self.init_buffers = init_buffers
+        self.layouts = header["layouts"]
+        self.padding = header["padding"]  # the adapter's declared convention (harness/adapters/base.py, Padding)
+        self.result = OptimizerResult(self.kind)
+        self.stats = {c: CheckStats() for c in CHECK_ORDER}
+        self.stats["grad"].u = self.step_bounds.reduction.u
+        self.stats["param"].u = self.step_bounds.u_param
+        self.stats["trajectory"].u = self.step_bounds.u_param
+        self.step_worst: dict[tuple[int, str], dict] = {}  # (step, check) -> the element nearest its tolerance
+        self._segments: dict[tuple, Segments] = {}
+        self.trajectory: list[TrajectoryDeviation] = []  # per judged step, against the reference
+        self._traj: dict[str, list[DiffStats]] = {"loss": [], "grad": [], "param": []}
+        self._params_before: dict[str, torch.Tensor] = {}
+        self._buffers_before: dict[str, torch.Tensor] = {}
+        self._differed: dict[str, torch.Tensor] = {}  # per parameter, the elements that differed from a replayed step
+        self._run_counts = SignCounts(0, 0, 0, 0)  # the run-level update counts, each element at its first difference
+        self._last_step = 0
+
+    @property
+    def viol(self) -> list[Violation]:
+        return self.result.violations
+
+    def segments(self, tensors: dict[str, torch.Tensor]) -> Segments:
+        """The segments of `tensors` in their order (built once per layout: every step has the same)."""
+        sizes = tuple(t.shape for t in tensors.values())
+        if sizes not in self._segments:
+            self._segments[sizes] = Segments(list(sizes))
+        return self._segments[sizes]
+
+    def judge(self, check, step, names, seg, actual, expected, tol, step_layouts) -> list[Violation | None]:
+        """Per tensor (segment), its violation or None; the step's worst element and the check's
+        statistics folded in tensor order."""
+        worst = self.step_worst.setdefault((step, check), {})
+        out = []
+        for name, size, o in zip(names, seg.sizes, judge_segments(seg, actual, expected, tol)):
+            self.stats[check].add(o.numel, o.max_ratio)
+            if o.numel and not o.max_ratio <= worst.get("margin", -1.0):
+                worst.update(margin=o.max_ratio, diff=o.worst_diff, tol=o.worst_tol, name=name)
+            out.append(None if o.failing is None else
+                       _failing_violation(self.kind, step, check, name, size, step_layouts.get(name), o.failing))
+        return out
+
+    def nonfinite(self, step, names, tensors, step_layouts) -> list[Violation | None]:
+        out: list[Violation | None] = [None] * len(names)
+        for s in _nonfinite_segments(tensors):
+            out[s] = _nonfinite(self.kind, step, names[s], tensors[s], step_layouts.get(names[s]))
+        return out
+
+    def tilt_of(self, step, name, counts, statistics) -> Violation | None:
+        """The bias check's violation of one count pair, or None; its margin folded in."""
+        tilt = _bias_violation(self.kind, step, name, counts, statistics)
+        self.stats["bias"].add(1, tilt.ratio if tilt else 0.0)
+        worst = self.step_worst.setdefault((step, "bias"), {})
+        if tilt and not tilt.ratio <= worst.get("margin", -1.0):
+            worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
+        return tilt if tilt and not tilt.ratio <= 1 else None
+
+    def update_bias(self, step, names, seg, params_flat, replayed, before) -> None:
+        """The bias check of the step's update ([Note: Update bias]), per parameter and over the
+        run; the run's counts get this step's first differences."""
+        diff, update = params_flat - replayed, replayed - before
+        for name, counts in zip(names, sign_counts(seg, diff, update, before)):
+            tilt = self.tilt_of(step, name, counts, UPDATE_STATISTICS)
+            if tilt:
+                self.viol.append(tilt)
+        differed = self._differed
+        seen = seg.flat([differed.get(n, torch.zeros(size)) for n, size in zip(names, seg.sizes)]) != 0
+        first = sign_counts(seg, torch.where(seen, 0.0, diff), update, before)
+        for name, part, size in zip(names, seg.split(seen | (diff != 0)), seg.sizes):
+            differed[name] = part.view(size)
+        self._run_counts = sum(first, self._run_counts)
+        tilt = self.tilt_of(step, ALL_PARAMETERS, self._run_counts, RUN_UPDATE_STATISTICS)
+        if tilt:
+            self.viol.append(tilt)
+
+    def without_a_gradient(self, step, cell_grads, replay_grads, step_layouts) -> list[Violation]:
+        """The grad violations of the parameters the cell and the replay do not both give a gradient
+        ([Note: Parameters without a gradient]): a gradient not exactly zero where the replay has
+        none (judged against 0, tolerance 0), and none where the replay has one."""
+        nonzero = [n for n, g in cell_grads.items() if n not in replay_grads and not bool((g == 0).all())]
+        out = []
+        if nonzero:
+            seg = self.segments({n: cell_grads[n] for n in nonzero})
+            zeros = torch.zeros(seg.total, dtype=torch.float64)
+            out += [v for v in self.judge("grad", step, nonzero, seg, seg.flat([cell_grads[n] for n in nonzero]), zeros,
+                                          zeros, step_layouts) if v]
+        for name, expected in replay_grads.items():
+            if name in cell_grads:
+                continue
+            index = int(expected.abs().reshape(-1).argmax().item()) if expected.numel() else None
+            value = expected.reshape(-1)[index].item() if index is not None else 0.0
+            self.stats["grad"].add(expected.numel(), float("inf"))
+            out.append(Violation(self.kind, step, "grad", name, float("inf"), abs(value), 0.0, float("nan"), value, index,
+                                 None if index is None else _coords(expected.shape, index),
+                                 None if index is None else owner_of(step_layouts.get(name), expected.shape, index),
+                                 num_violating=expected.numel(), lost_gradient=True))
+        return out
+
+    def same_shapes(self, check, step, names, actual, expected) -> Segments:
+        for name, a, e in zip(names, actual, expected):
+            if a.shape != e.shape:
+                raise ValueError(f"{check} '{name}' step={step}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+        return self.segments(dict(zip(names, actual)))
+
+    def shard_rows(self, rec):
+        """(key, (W, shard_numel) rows, whether its padding is declared zero) of every raw shard."""
+        return ([(k, t, self.padding["params"] == "zero") for k, t in rec["shards"].items()]
+                + [(k + " (grad)", t, self.padding["grads"] == "zero") for k, t in rec["shard_grads"].items()])
+
+    def start(self, init: dict) -> None:
+        """Step 0: the initial parameters and buffers right after wrapping (a snapshot's "init")."""
+        kind, layouts, viol = self.kind, self.layouts, self.viol
+        init_names = list(init["params"])
+        init_params = list(init["params"].values())
+        expected_init = [self.init_state[n] for n in init_names]
+        seg = self.same_shapes("init", 0, init_names, init_params, expected_init)
+        self.stats["nonfinite"].add(seg.total)
+        init_viol = self.judge("init", 0, init_names, seg, seg.flat(init_params), seg.flat(expected_init),
+                               torch.zeros(seg.total, dtype=torch.float64), layouts)
+        for pair in zip(self.nonfinite(0, init_names, init_params, layouts), init_viol):
+            viol.extend(v for v in pair if v)
+        self._buffers_before = init["buffers"]["values"]
+        viol.extend(buffer_violations(kind, 0, init["buffers"], self.init_buffers or {}, None, self.stats["buffers"]))
+        self._params_before = init["params"]
+
+    def step(self, rec: dict, ref_rec: dict | None = None) -> bool:
+        """Judge one step's record (a snapshot's step) against its replay, and take its deviation
+        from the reference's step `ref_rec` ({"step", "loss", "grads", "params"}; None: no
+        trajectory check). False, judging nothing, once the cell went non-finite at an earlier
+        step: the shadow then starts from its non-finite parameters and says nothing more."""
+        kind, viol, stats, step_bounds = self.kind, self.viol, self.stats, self.step_bounds
+        step, shadow = rec["step"], rec["shadow"]
+        step_layouts = rec.get("layouts", self.layouts)  # a resharding case changes them mid-run
+        if any(v.check == "nonfinite" for v in viol):
+            # The first divergence is already named.
+            self.result.stopped_after = self._last_step
+            return False
+        self._last_step = step
         # The shadow starts from the cell's finite parameters of the previous step: a non-finite
         # value in it is the unsharded model diverging, not the implementation.
         _require_finite("loss", step, {"<loss>": shadow["loss"]})
-        shadow_grads = segments(shadow["grads"]).flat(list(shadow["grads"].values()))
+        shadow_grads = self.segments(shadow["grads"]).flat(list(shadow["grads"].values()))
         if not bool(torch.isfinite(shadow_grads).all()):
             _require_finite("gradient", step, shadow["grads"])
-        if not bool(torch.isfinite(segments(shadow["params"]).flat(list(shadow["params"].values()))).all()):
+        if not bool(torch.isfinite(self.segments(shadow["params"]).flat(list(shadow["params"].values()))).all()):
             _require_finite("parameter", step, shadow["params"])
 
         # nonfinite: the cell's own values, first occurrence named
@@ -636,12 +672,12 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                 viol.append(Violation(kind, step, "nonfinite", "<loss>", float("inf"), float("inf"), 0.0,
                                       loss_values[r], float("nan"), rank=r))
         grad_names = list(rec["grads"])
-        grads_flat = segments(rec["grads"]).flat(list(rec["grads"].values()))
+        grads_flat = self.segments(rec["grads"]).flat(list(rec["grads"].values()))
         # The cell's gradients the replay has too; the others are judged as no gradient
         # ([Note: Parameters without a gradient]).
-        no_grad_viol = without_a_gradient(step, rec["grads"], shadow["grads"], step_layouts)
+        no_grad_viol = self.without_a_gradient(step, rec["grads"], shadow["grads"], step_layouts)
         judged_grads = {n: g for n, g in rec["grads"].items() if n in shadow["grads"]}
-        cell_params_flat = segments(rec["params"]).flat(list(rec["params"].values()))
+        cell_params_flat = self.segments(rec["params"]).flat(list(rec["params"].values()))
         stats["nonfinite"].add(grads_flat.numel() + cell_params_flat.numel())
         if not (bool(torch.isfinite(grads_flat).all()) and bool(torch.isfinite(cell_params_flat).all())):
             for group in (rec["grads"], rec["params"]):
@@ -649,9 +685,10 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                     v = _nonfinite(kind, step, name, t, step_layouts.get(name))
                     if v:
                         viol.append(v)
-        for key, rows, padding_judged in shard_rows(rec):
+        for key, rows, padding_judged in self.shard_rows(rec):
             stats["nonfinite"].add(rows.numel())
-            judged_rows = rows if padding_judged else _without_padding_rows(rows, intervals_of(rec, key))
+            intervals = rec["padding_intervals"][key.removesuffix(" (grad)")]
+            judged_rows = rows if padding_judged else _without_padding_rows(rows, intervals)
             if bool(torch.isfinite(judged_rows).all()):
                 continue
             for r in range(rows.shape[0]):
@@ -663,9 +700,9 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
 
         # loss: each rank's local loss is the replay's, bitwise
         losses, expected = rec["loss"], shadow["loss"]
-        result.losses.append({"optimizer": kind, "step": step, "loss": losses.double().mean().item(),
-                              "replay": expected.double().mean().item(),
-                              "reference": ref_steps[i]["loss"].double().mean().item() if ref_steps else None})
+        self.result.losses.append({"optimizer": kind, "step": step, "loss": losses.double().mean().item(),
+                                   "replay": expected.double().mean().item(),
+                                   "reference": ref_rec["loss"].double().mean().item() if ref_rec is not None else None})
         if losses.shape != expected.shape:
             raise ValueError(f"step {step}: {losses.numel()} rank losses, the replay has {expected.numel()}")
         loss_diffs = (losses.double() - expected.double()).abs().reshape(-1).tolist()
@@ -679,20 +716,21 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         # buffers: rank 0's are the replay's bitwise; the other ranks' too with identical data, and
         # with split data where the replay left a buffer as it was ([Note: Buffers])
         every_rank = None
-        if cell["data_mode"] == "split":
+        buffers_before = self._buffers_before
+        if self.split:
             every_rank = {n for n, b in shadow["buffers"].items()
                           if n in buffers_before and first_bit_difference(b, buffers_before[n]) is None}
         viol.extend(buffer_violations(kind, step, rec["buffers"], shadow["buffers"], every_rank, stats["buffers"]))
-        buffers_before = rec["buffers"]["values"]
+        self._buffers_before = rec["buffers"]["values"]
 
         # grad: within the reduction bound of the exact mean of the local terms; param: that bound
         # through clipping and the optimizer
         viol.extend(no_grad_viol)
         if len(judged_grads) != len(grad_names):
             grad_names = list(judged_grads)
-            grads_flat = segments(judged_grads).flat(list(judged_grads.values()))
-        seg = same_shapes("grad", step, grad_names, list(judged_grads.values()),
-                          [shadow["grads"][n] for n in grad_names])
+            grads_flat = self.segments(judged_grads).flat(list(judged_grads.values()))
+        seg = self.same_shapes("grad", step, grad_names, list(judged_grads.values()),
+                               [shadow["grads"][n] for n in grad_names])
         if step_bounds.reordered_from is None:
             tol_seg, reduction_tol, allowance = step_bounds.grad_bounds(shadow)
             if allowance is not None:
@@ -707,10 +745,10 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         if grad_names != list(shadow["grads"]):  # the tolerances and the shadow's flat follow its order
             grad_tol, param_tol, shadow_grads = (_reordered(tol_seg, list(shadow["grads"]), t, grad_names)
                                                  for t in (grad_tol, param_tol, shadow_grads))
-        grad_viol = judge("grad", step, grad_names, seg, grads_flat, shadow_grads, grad_tol, step_layouts)
+        grad_viol = self.judge("grad", step, grad_names, seg, grads_flat, shadow_grads, grad_tol, step_layouts)
         stats["grad"].add_samples(seg, grad_tol, shadow_grads)
         if step_bounds.reordered_from is None:
-            bias_viol = [tilt_of(step, name, counts, GRAD_STATISTICS)
+            bias_viol = [self.tilt_of(step, name, counts, GRAD_STATISTICS)
                          for name, counts in zip(grad_names, sign_counts(seg, grads_flat - shadow_grads, shadow_grads))]
         else:
             bias_viol = [None] * len(grad_names)
@@ -720,24 +758,23 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
         param_names = grad_names + frozen
         params = {n: rec["params"][n] for n in param_names}
         shadow_params = [shadow["params"][n] for n in param_names]
-        seg = same_shapes("param", step, param_names, list(params.values()), shadow_params)
+        seg = self.same_shapes("param", step, param_names, list(params.values()), shadow_params)
         params_flat = cell_params_flat if list(rec["params"]) == param_names else seg.flat(list(params.values()))
         shadow_flat = seg.flat(shadow_params)
         frozen_tol = torch.zeros(seg.total - param_tol.numel(), dtype=torch.float64)
-        param_viol = judge("param", step, param_names, seg, params_flat, shadow_flat,
-                           torch.cat([param_tol, frozen_tol]), step_layouts)
-        stats["param"].add_samples(segments({n: params[n] for n in grad_names}), param_tol,
+        param_viol = self.judge("param", step, param_names, seg, params_flat, shadow_flat,
+                                torch.cat([param_tol, frozen_tol]), step_layouts)
+        stats["param"].add_samples(self.segments({n: params[n] for n in grad_names}), param_tol,
                                    shadow_flat[:param_tol.numel()])
         for triple in zip(grad_viol, bias_viol, param_viol):
             viol.extend(v for v in triple if v)
         viol.extend(v for v in param_viol[len(grad_names):] if v)
         # bias of the updates: the parameters' differences from the replayed step
         if not step_bounds.clip_may_have_acted and step_bounds.reordered_from is None:
-            grad_seg = segments({n: params[n] for n in grad_names})
-            run_counts = update_bias(step, grad_names, grad_seg, params_flat[:grad_seg.total],
-                                     shadow_flat[:grad_seg.total], grad_seg.flat([params_before[n] for n in grad_names]),
-                                     run_counts)
-        params_before = rec["params"]
+            grad_seg = self.segments({n: params[n] for n in grad_names})
+            self.update_bias(step, grad_names, grad_seg, params_flat[:grad_seg.total], shadow_flat[:grad_seg.total],
+                             grad_seg.flat([self._params_before[n] for n in grad_names]))
+        self._params_before = rec["params"]
 
         # replicas: every rank's full tensors bitwise equal
         replicas = rec.get("replicas")
@@ -754,15 +791,16 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                                                   float("nan"), float("nan"), rank=r))
 
         # padding: exactly zero where the adapter declares Padding.ZERO
-        for key, rows, padding_judged in shard_rows(rec):
+        for key, rows, padding_judged in self.shard_rows(rec):
             if not padding_judged:
                 continue
-            at_rows = _padding_index(intervals_of(rec, key), rows.shape[-1])
+            intervals = rec["padding_intervals"][key.removesuffix(" (grad)")]
+            at_rows = _padding_index(intervals, rows.shape[-1])
             stats["padding"].add(at_rows.numel())
             if not bool((rows.reshape(-1)[at_rows] != 0).any()):
                 continue
-            for r, intervals in enumerate(intervals_of(rec, key)):
-                at = torch.cat([torch.arange(start, end) for start, end in intervals] + [torch.arange(0)])
+            for r, row_intervals in enumerate(intervals):
+                at = torch.cat([torch.arange(start, end) for start, end in row_intervals] + [torch.arange(0)])
                 pad = rows[r, at]
                 if pad.numel() and (pad != 0).any():
                     first = int((pad != 0).nonzero()[0].item())
@@ -770,38 +808,53 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                                           pad[first].item(), 0.0, index=int(at[first]), rank=r, in_padding=True,
                                           num_violating=int((pad != 0).sum().item())))
 
-        # trajectory: the free-running cell vs the free-running reference, within the envelope
-        if ref_steps is not None:
-            ref_rec = ref_steps[i]
-            if ref_rec["step"] != step:
-                raise ValueError(f"reference step {ref_rec['step']} where the cell has step {step}")
-            _require_finite("reference parameter", step, ref_rec["params"])
-            viol.extend(_trajectory_violations(kind, step, rec["params"], ref_rec["params"], [run[i] for run in perturbed],
-                                               u_param, step_layouts, stats["trajectory"],
-                                               step_worst.setdefault((step, "trajectory"), {})))
+        # trajectory: the free-running cell vs the free-running reference (judged in `finish`)
+        if ref_rec is not None:
+            self.take_trajectory(step, rec, ref_rec, step_layouts)
+        return True
 
-            split = cell["data_mode"] == "split"
-            actual_losses = rec["loss"].double().mean().reshape(1) if split else rec["loss"].double()
-            ref_loss = ref_rec["loss"].double().mean()
-            both = {n: g for n, g in rec["grads"].items() if n in ref_rec["grads"]}  # gradients both have
-            step_stats = {
-                "loss": compare(actual_losses.float(), ref_loss.float().expand_as(actual_losses)),
-                "grad": compare(flat(both), flat(ref_rec["grads"], both)),
-                "param": compare(flat(rec["params"]), flat(ref_rec["params"], rec["params"])),
-            }
-            for q, merged in step_stats.items():
-                traj[q].append(merged)
-                result.per_step.append({"optimizer": kind, "step": step, "quantity": q, **asdict(merged),
-                                        "bitwise_equal": merged.bitwise_equal})
-    result.trajectory = {q: DiffStats.merge(s) for q, s in traj.items()}
-    result.step_checks = [{"optimizer": kind, "step": step, "check": check, **worst}
-                          for (step, check), worst in sorted(step_worst.items(), key=lambda kv: kv[0]) if worst]
-    result.checks = {c: s.summary() for c, s in stats.items()}
-    result.margins = {c: s.max_ratio for c, s in stats.items()}
-    if step_bounds.reordered_from is not None:
-        result.checks["bias"]["not_applied_from"] = step_bounds.reordered_from
-    result.error = precision_refusal(result.checks["grad"], reduction)
-    return result
+    def take_trajectory(self, step: int, rec: dict, ref_rec: dict, step_layouts: dict) -> None:
+        """The cell's deviation from the reference at `step` (judged in `finish` against the
+        envelope), and the step's rows of the per-step trajectory table."""
+        if ref_rec["step"] != step:
+            raise ValueError(f"reference step {ref_rec['step']} where the cell has step {step}")
+        _require_finite("reference parameter", step, ref_rec["params"])
+        self.trajectory.append(trajectory_deviation(step, rec["params"], ref_rec["params"], self.step_bounds.u_param,
+                                                    step_layouts))
+        actual_losses = rec["loss"].double().mean().reshape(1) if self.split else rec["loss"].double()
+        ref_loss = ref_rec["loss"].double().mean()
+        both = {n: g for n, g in rec["grads"].items() if n in ref_rec["grads"]}  # gradients both have
+        step_stats = {
+            "loss": compare(actual_losses.float(), ref_loss.float().expand_as(actual_losses)),
+            "grad": compare(flat(both), flat(ref_rec["grads"], both)),
+            "param": compare(flat(rec["params"]), flat(ref_rec["params"], rec["params"])),
+        }
+        for q, merged in step_stats.items():
+            self._traj[q].append(merged)
+            self.result.per_step.append({"optimizer": self.kind, "step": step, "quantity": q, **asdict(merged),
+                                         "bitwise_equal": merged.bitwise_equal})
+
+    def finish(self, envelopes: list[torch.Tensor] | None) -> OptimizerResult:
+        """The result, the trajectory judged against `envelopes` (per step taken, the reference's
+        perturbed runs' deviation per parameter: `trajectory_envelope`; None: no trajectory check)."""
+        result = self.result
+        if envelopes is not None:
+            if len(envelopes) < len(self.trajectory):
+                raise ValueError(f"the reference's envelope covers {len(envelopes)} steps, the cell was judged at "
+                                 f"{len(self.trajectory)}")
+            for dev, envelope in zip(self.trajectory, envelopes):
+                result.violations.extend(judge_trajectory(self.kind, dev, envelope, self.stats["trajectory"],
+                                                          self.step_worst.setdefault((dev.step, "trajectory"), {})))
+            result.violations.sort(key=lambda v: v.step)  # each step's trajectory after its other checks
+        result.trajectory = {q: DiffStats.merge(s) for q, s in self._traj.items()}
+        result.step_checks = [{"optimizer": self.kind, "step": step, "check": check, **worst}
+                              for (step, check), worst in sorted(self.step_worst.items(), key=lambda kv: kv[0]) if worst]
+        result.checks = {c: s.summary() for c, s in self.stats.items()}
+        result.margins = {c: s.max_ratio for c, s in self.stats.items()}
+        if self.step_bounds.reordered_from is not None:
+            result.checks["bias"]["not_applied_from"] = self.step_bounds.reordered_from
+        result.error = precision_refusal(result.checks["grad"], self.step_bounds.reduction)
+        return result
 
 
 def _local_reordering(step: int, names: list[str], seg: Segments, actual: torch.Tensor, expected: torch.Tensor,
@@ -827,48 +880,104 @@ def _reordered(seg: Segments, names: list[str], flat_tensor: torch.Tensor, order
     return torch.cat([by_name[n].reshape(-1) for n in order] + [flat_tensor[:0]])
 
 
-def _trajectory_violations(kind, step, params, ref_params, perturbed_params, u_param, step_layouts,
-                           stats: CheckStats, worst: dict) -> list[Violation]:
-    """Each parameter's largest deviation from the reference within TRAJECTORY_FACTOR x the
-    perturbed runs' largest deviation (the envelope), one segment per parameter."""
-    names = list(params)
-    cell, ref = [params[n] for n in names], [ref_params[n] for n in names]
-    for name, p, p_ref in zip(names, cell, ref):
-        if p.numel() == 0:  # the envelope of an empty tensor has no max: raises as ever
-            torch.stack([(run[name].double() - p_ref.double()).abs().max() for run in perturbed_params])
+@dataclass(frozen=True)
+class TrajectoryDeviation:
+    """One step's deviation of the free-running cell from the free-running reference, per parameter:
+    what the trajectory check needs of the parameters, a few numbers each (taken where the
+    parameters are, judged against the reference's envelope wherever that is)."""
+
+    step: int
+    names: list[str]
+    sizes: list[torch.Size]
+    deviation: torch.Tensor  # float64, per parameter: its largest |cell - reference| (NaN kept)
+    index: list[int]  # per parameter: the flat index of that element
+    actual: list[float]
+    expected: list[float]
+    floor: torch.Tensor  # float64, per parameter: 2 u max |reference|, the envelope's least value
+    owners: list[int | None]  # per parameter: the rank whose shard holds that element
+
+    def to_record(self) -> dict:
+        return {"step": self.step, "names": self.names, "sizes": [list(s) for s in self.sizes],
+                "deviation": self.deviation, "index": self.index, "actual": self.actual, "expected": self.expected,
+                "floor": self.floor, "owners": self.owners}
+
+    @classmethod
+    def from_record(cls, d: dict) -> TrajectoryDeviation:
+        return cls(int(d["step"]), list(d["names"]), [torch.Size(s) for s in d["sizes"]], d["deviation"],
+                   [int(i) for i in d["index"]], list(d["actual"]), list(d["expected"]), d["floor"], list(d["owners"]))
+
+
+def _segment_max(seg: Segments, x: torch.Tensor) -> torch.Tensor:
+    """Per segment, its largest element (NaN propagates, as Tensor.max)."""
+    return torch.full((len(seg),), -math.inf, dtype=x.dtype).scatter_reduce(0, seg.ids, x, "amax", include_self=False)
+
+
+def _same_parameter_shapes(step: int, params: dict[str, torch.Tensor], ref_params: dict[str, torch.Tensor]) -> None:
+    for name, p in params.items():
+        p_ref = ref_params[name]
         if p.shape != p_ref.shape:
             raise ValueError(f"trajectory '{name}' step={step}: shape {tuple(p.shape)} != reference {tuple(p_ref.shape)}")
+
+
+def trajectory_deviation(step: int, params: dict[str, torch.Tensor], ref_params: dict[str, torch.Tensor],
+                         u_param: float, step_layouts: dict) -> TrajectoryDeviation:
+    """The cell's parameters against the reference's at `step`, one segment per parameter."""
+    names = list(params)
+    _same_parameter_shapes(step, params, ref_params)
+    cell, ref = [params[n] for n in names], [ref_params[n] for n in names]
     seg = Segments([p.shape for p in cell])
     ref_flat = seg.flat(ref)
-
-    def segment_max(x: torch.Tensor) -> torch.Tensor:  # NaN propagates, as Tensor.max
-        return torch.full((len(seg),), -math.inf, dtype=x.dtype).scatter_reduce(0, seg.ids, x, "amax",
-                                                                                 include_self=False)
-
-    envelope = None
-    for run in perturbed_params:
-        run_max = segment_max((seg.flat([run[n] for n in names]) - ref_flat).abs())
-        envelope = run_max if envelope is None else torch.maximum(envelope, run_max)
     # A one-ulp flip of the last rounding needs no gradient difference to happen (AdamW's
     # first update is lr * sign(g)), so the envelope starts at the largest element's ulp.
-    floor = 2 * u_param * segment_max(ref_flat.abs())
-    tol = TRAJECTORY_FACTOR * (envelope + floor)
+    floor = 2 * u_param * _segment_max(seg, ref_flat.abs())
     cell_flat = seg.flat(cell)
     deviation = (cell_flat - ref_flat).abs()
     at = seg.argmax(deviation)
     values = torch.stack([cell_flat[at], ref_flat[at]]).tolist()
-    d = deviation[at]
-    ones = Segments([torch.Size([1])] * len(seg))
+    index = [flat_index - seg.offsets[s] for s, flat_index in enumerate(at.tolist())]
+    owners = [owner_of(step_layouts.get(n), size, i) for n, size, i in zip(names, seg.sizes, index)]
+    return TrajectoryDeviation(step, names, seg.sizes, deviation[at], index, values[0], values[1], floor, owners)
+
+
+def trajectory_envelope(ref_params: dict[str, torch.Tensor], perturbed_params: list[dict[str, torch.Tensor]]
+                        ) -> dict[str, torch.Tensor]:
+    """Per parameter, the perturbed runs' largest deviation from the reference at one step (0-d
+    float64 each): the envelope the trajectory check scales."""
+    names = list(ref_params)
+    ref = [ref_params[n] for n in names]
+    for name, p_ref in zip(names, ref):
+        if p_ref.numel() == 0:  # the envelope of an empty tensor has no max: raises as ever
+            torch.stack([(run[name].double() - p_ref.double()).abs().max() for run in perturbed_params])
+    seg = Segments([p.shape for p in ref])
+    ref_flat = seg.flat(ref)
+    envelope = None
+    for run in perturbed_params:
+        run_max = _segment_max(seg, (seg.flat([run[n] for n in names]) - ref_flat).abs())
+        envelope = run_max if envelope is None else torch.maximum(envelope, run_max)
+    return dict(zip(names, envelope.unbind())) if envelope is not None else {}
+
+
+def judge_trajectory(kind: str, dev: TrajectoryDeviation, envelope: dict[str, torch.Tensor], stats: CheckStats,
+                     worst: dict) -> list[Violation]:
+    """Each parameter's largest deviation from the reference within TRAJECTORY_FACTOR x (the
+    envelope + its floor)."""
+    missing = [n for n in dev.names if n not in envelope]
+    if missing:
+        raise ValueError(f"step {dev.step}: the reference's envelope lacks parameters {missing[:4]}")
+    envelope_flat = torch.stack([envelope[n] for n in dev.names]) if dev.names else torch.zeros(0, dtype=torch.float64)
+    tol = TRAJECTORY_FACTOR * (envelope_flat + dev.floor)
+    d = dev.deviation
+    ones = Segments([torch.Size([1])] * len(dev.names))
     out = []
-    for s, (o, flat_index) in enumerate(zip(judge_segments(ones, d, torch.zeros_like(d), tol), at.tolist())):
-        name, size, worst_index = names[s], seg.sizes[s], flat_index - seg.offsets[s]
-        stats.add(seg.numels[s], o.max_ratio)
+    for s, o in enumerate(judge_segments(ones, d, torch.zeros_like(d), tol)):
+        name, size, worst_index = dev.names[s], dev.sizes[s], dev.index[s]
+        stats.add(size.numel(), o.max_ratio)
         if not o.max_ratio <= worst.get("margin", -1.0):
             worst.update(margin=o.max_ratio, diff=o.worst_diff, tol=o.worst_tol, name=name)
         if o.failing is not None:
-            out.append(Violation(kind, step, "trajectory", name, o.failing.ratio, o.failing.abs_diff, o.failing.tol,
-                                 values[0][s], values[1][s], worst_index, _coords(size, worst_index),
-                                 owner_of(step_layouts.get(name), size, worst_index)))
+            out.append(Violation(kind, dev.step, "trajectory", name, o.failing.ratio, o.failing.abs_diff, o.failing.tol,
+                                 dev.actual[s], dev.expected[s], worst_index, _coords(size, worst_index),
+                                 dev.owners[s]))
     return out
 
 
