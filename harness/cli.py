@@ -76,6 +76,10 @@ def _add_matrix_args(p: argparse.ArgumentParser, *, cases, impls, world_sizes, d
     p.add_argument("--keep-evidence", action="store_true",
                    help="keep every cell's snapshots (default: only those of cells that did not pass, and their "
                         "references; a passing cell leaves its report rows, not a copy of the model)")
+    p.add_argument("--judge-on", default="auto", choices=("auto", "ranks", "parent"),
+                   help="where each cell is judged: ranks (its own rank 0, as the evidence is taken: the parent gets "
+                        "results, never a copy of the model), parent (from snapshots), auto (ranks for models of "
+                        "2^20 parameters or more; default)")
     p.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted impl/ bugs, for tests
     # for tests: besides every cell, one copy of it per listed fault (a battery of planted bugs, one launch)
     p.add_argument("--fault-copies", default="", help=argparse.SUPPRESS)
@@ -160,6 +164,7 @@ def _plan_from_args(args):
         device=args.device,
         threads=args.threads,
         launch_per_cell=args.launch_per_cell,
+        judge_on=getattr(args, "judge_on", "auto"),
     )
 
 

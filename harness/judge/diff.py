@@ -125,6 +125,17 @@ def flat(tensors: dict[str, torch.Tensor], order: dict | None = None) -> torch.T
 
 
 
+def trajectory_row(rec: dict, order: dict, split: bool) -> torch.Tensor:
+    """One step's loss (rank 0's, or the mean of the local losses when split), gradients and
+    parameters as one 1-D tensor, parameters in the order of `order`: the W x W diff matrices
+    compare cells by these rows."""
+    loss = rec["loss"].double().mean() if split else rec["loss"].double()[0]
+    # A parameter without a gradient (frozen, or none this step) counts as zeros in every cell,
+    # whichever way its cell reported it ([Note: Parameters without a gradient]).
+    grads = {k: rec["grads"][k] if k in rec["grads"] else torch.zeros_like(rec["params"][k]) for k in order}
+    return torch.cat([loss.float().reshape(1), flat(grads), flat(rec["params"], order)])
+
+
 def _failing_violation(optimizer, step, check, name, size: torch.Size, layout, f: Failing) -> Violation:
     return Violation(optimizer, step, check, name, f.ratio, f.abs_diff, f.tol, f.actual, f.expected, f.index,
                      _coords(size, f.index), owner_of(layout, size, f.index), False, f.num_violating)
@@ -834,18 +845,11 @@ class CellJudge:
             self.result.per_step.append({"optimizer": self.kind, "step": step, "quantity": q, **asdict(merged),
                                          "bitwise_equal": merged.bitwise_equal})
 
-    def finish(self, envelopes: list[torch.Tensor] | None) -> OptimizerResult:
+    def finish(self, envelopes: list[dict[str, torch.Tensor]] | None) -> OptimizerResult:
         """The result, the trajectory judged against `envelopes` (per step taken, the reference's
-        perturbed runs' deviation per parameter: `trajectory_envelope`; None: no trajectory check)."""
+        perturbed runs' deviation per parameter: `trajectory_envelope`; None: no trajectory check,
+        or, on a rank, one judged later where the envelope is: `complete_trajectory`)."""
         result = self.result
-        if envelopes is not None:
-            if len(envelopes) < len(self.trajectory):
-                raise ValueError(f"the reference's envelope covers {len(envelopes)} steps, the cell was judged at "
-                                 f"{len(self.trajectory)}")
-            for dev, envelope in zip(self.trajectory, envelopes):
-                result.violations.extend(judge_trajectory(self.kind, dev, envelope, self.stats["trajectory"],
-                                                          self.step_worst.setdefault((dev.step, "trajectory"), {})))
-            result.violations.sort(key=lambda v: v.step)  # each step's trajectory after its other checks
         result.trajectory = {q: DiffStats.merge(s) for q, s in self._traj.items()}
         result.step_checks = [{"optimizer": self.kind, "step": step, "check": check, **worst}
                               for (step, check), worst in sorted(self.step_worst.items(), key=lambda kv: kv[0]) if worst]
@@ -854,7 +858,48 @@ class CellJudge:
         if self.step_bounds.reordered_from is not None:
             result.checks["bias"]["not_applied_from"] = self.step_bounds.reordered_from
         result.error = precision_refusal(result.checks["grad"], self.step_bounds.reduction)
+        if envelopes is not None:
+            complete_trajectory(result, self.trajectory, envelopes)
         return result
+
+
+def complete_trajectory(result: OptimizerResult, deviations: list[TrajectoryDeviation],
+                        envelopes: list[dict[str, torch.Tensor]]) -> None:
+    """Judge a result's trajectory deviations (one per step taken) against the reference's
+    envelopes (one per step of the reference): its violations, margin, statistics and per-step
+    worst elements added to `result`, as if judged step by step."""
+    if len(envelopes) < len(deviations):
+        raise ValueError(f"the reference's envelope covers {len(envelopes)} steps, the cell was judged at "
+                         f"{len(deviations)}")
+    stats = CheckStats(u=result.checks["trajectory"]["u"])
+    worst_of: dict[int, dict] = {}
+    for dev, envelope in zip(deviations, envelopes):
+        result.violations.extend(judge_trajectory(result.optimizer, dev, envelope, stats,
+                                                  worst_of.setdefault(dev.step, {})))
+    result.violations.sort(key=lambda v: v.step)  # each step's trajectory after its other checks
+    result.step_checks = sorted(result.step_checks + [{"optimizer": result.optimizer, "step": step, "check": "trajectory",
+                                                       **worst} for step, worst in worst_of.items() if worst],
+                                key=lambda row: (row["step"], row["check"]))
+    result.checks["trajectory"] = stats.summary()
+    result.margins["trajectory"] = stats.max_ratio
+
+
+def result_to_record(result: OptimizerResult) -> dict:
+    """An OptimizerResult as snapshot-encodable containers (harness/run/snapshot.py), for a rank to
+    send the parent; `result_from_record` reads it back."""
+    return {"optimizer": result.optimizer, "violations": [asdict(v) for v in result.violations],
+            "margins": result.margins, "checks": result.checks, "error": result.error,
+            "trajectory": {q: asdict(d) for q, d in result.trajectory.items()}, "per_step": result.per_step,
+            "step_checks": result.step_checks, "losses": result.losses, "stopped_after": result.stopped_after}
+
+
+def result_from_record(d: dict) -> OptimizerResult:
+    violations = [Violation(**{**v, "coords": None if v["coords"] is None else tuple(v["coords"])})
+                  for v in d["violations"]]
+    return OptimizerResult(d["optimizer"], violations=violations, margins=dict(d["margins"]), checks=d["checks"],
+                           error=d["error"], trajectory={q: DiffStats(**s) for q, s in d["trajectory"].items()},
+                           per_step=list(d["per_step"]), step_checks=list(d["step_checks"]), losses=list(d["losses"]),
+                           stopped_after=d["stopped_after"])
 
 
 def _local_reordering(step: int, names: list[str], seg: Segments, actual: torch.Tensor, expected: torch.Tensor,

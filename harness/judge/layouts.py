@@ -102,10 +102,17 @@ def check_layouts(snap: dict, sizes: dict[str, torch.Size], aliases: dict[str, s
     _check_names(snap.get("layouts"), sizes, num_ranks)
     mismatches: list[GatheredMismatch] = []
     for rec in snap["steps"]:
-        layouts = rec.get("layouts", snap["layouts"])  # a resharding case changes them mid-run
-        _check_names(layouts, sizes, num_ranks, rec["step"])
-        mismatches += _check_step(rec, layouts, sizes, num_ranks, aliases or {})
+        mismatches += check_step_layouts(rec, snap["layouts"], sizes, num_ranks, aliases)
     return mismatches
+
+
+def check_step_layouts(rec: dict, layouts: dict, sizes: dict[str, torch.Size], num_ranks: int,
+                       aliases: dict[str, str] | None = None) -> list[GatheredMismatch]:
+    """`check_layouts` of one step's record; `layouts` the snapshot's, used where the step records
+    none of its own (a resharding case changes them mid-run)."""
+    layouts = rec.get("layouts", layouts)
+    _check_names(layouts, sizes, num_ranks, rec["step"])
+    return _check_step(rec, layouts, sizes, num_ranks, aliases or {})
 
 
 def _check_names(layouts, sizes: dict[str, torch.Size], num_ranks: int, step: int = 0) -> None:

@@ -15,14 +15,39 @@ from dataclasses import dataclass, field
 import torch
 
 from cases.catalog import get_case
-from harness.judge.diff import DiffStats, OptimizerResult, ReferenceDiverged, check_snapshot, flat
+from harness.judge.diff import (
+    DiffStats,
+    OptimizerResult,
+    ReferenceDiverged,
+    TrajectoryDeviation,
+    check_snapshot,
+    complete_trajectory,
+    result_from_record,
+    trajectory_row,
+)
+from harness.judge.layouts import (
+    GatheredMismatch,
+    LayoutError,
+    check_layouts,
+    parameter_names,
+)
 from harness.judge.result import Verdict, Violation, first_of, nan_max, worst_verdict
-from harness.judge.layouts import LayoutError, check_layouts, parameter_names
-from harness.run.evidence import (EvidenceError, check_same_steps, check_snapshot_evidence, model_buffers,
-                                  model_parameters)
+from harness.run.evidence import (
+    EvidenceError,
+    check_same_steps,
+    check_snapshot_evidence,
+    model_buffers,
+    model_parameters,
+)
 from harness.run.outcome import RunOutcome
 from harness.run.plan import Cell, RunPlan
-from harness.run.snapshot import load_init, load_snapshot, snapshot_path
+from harness.run.snapshot import (
+    judged_path,
+    load_init,
+    load_judged,
+    load_snapshot,
+    snapshot_path,
+)
 
 
 @dataclass
@@ -93,17 +118,9 @@ class Matrix:
 
 
 def _trajectory(snap: dict, order: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Every step's loss (rank 0's, or the mean of the local losses when split), gradients and
-    parameters as one 1-D tensor, parameters in the order of `order`."""
+    """Every step's `trajectory_row` as one 1-D tensor."""
     split = snap["cell"]["data_mode"] == "split"
-    parts = []
-    for rec in snap["steps"]:
-        loss = rec["loss"].double().mean() if split else rec["loss"].double()[0]
-        # A parameter without a gradient (frozen, or none this step) counts as zeros in every cell,
-        # whichever way its cell reported it ([Note: Parameters without a gradient] in judge/diff.py).
-        grads = {k: rec["grads"][k] if k in rec["grads"] else torch.zeros_like(rec["params"][k]) for k in order}
-        parts += [loss.float().reshape(1), flat(grads), flat(rec["params"], order)]
-    return torch.cat(parts)
+    return torch.cat([trajectory_row(rec, order, split) for rec in snap["steps"]])
 
 
 def _add_gathered_mismatches(opt, kind: str, mismatches) -> None:
@@ -145,7 +162,8 @@ class Judge:
         run has written its initial states."""
         if self._inputs is None:
             plan = self.plan
-            case_names = sorted({c.case for c in plan.cells + plan.references})
+            # Cells their own ranks judge need none of it ([Note: Judged where the evidence lives]).
+            case_names = sorted({c.case for c in plan.cells + plan.references} - set(plan.judged_on_ranks))
             init_states: dict[str, tuple[dict, dict] | str] = {}  # (state, buffers), or why there is none
             for name in case_names:
                 path = plan.init_dir / f"{get_case(name).name}.pt"
@@ -187,9 +205,71 @@ class Judge:
             raise LayoutError(f"optimizer={kind}: {e}") from None
         return snap
 
+    def load_record(self, cell: Cell, kind: str) -> dict:
+        """The judged record of a cell its own rank 0 judged ([Note: Judged where the evidence
+        lives] in harness/run/judged.py), checked against the plan."""
+        path = judged_path(self.plan.snapshot_dir, cell.cell_id, kind)
+        if not path.exists():
+            raise EvidenceError(f"no judged record {path} (the launch ended before this cell)")
+        try:
+            record = load_judged(path)
+        except Exception as e:
+            raise EvidenceError(f"judged record {path} unreadable: {type(e).__name__}: {e}") from None
+        if record.get("run_id") != self.plan.run_id:
+            raise EvidenceError(f"{path}: run_id={record.get('run_id')!r} is not this run's (evidence of another run)")
+        if record.get("cell") != cell.to_json() or record.get("optimizer") != kind:
+            raise EvidenceError(f"{path}: it is the record of {record.get('cell')} optimizer={record.get('optimizer')!r}")
+        if record["error"] is None:
+            if record["steps"] != list(range(1, cell.steps + 1)):
+                raise EvidenceError(f"{path}: steps {record['steps'][:12]} judged, the plan has steps 1..{cell.steps}")
+            if not isinstance(record.get("result"), dict):
+                raise EvidenceError(f"{path}: no result")
+        return record
+
+    def judge_record(self, cell: Cell, records: dict) -> tuple[CellResult, dict | None]:
+        """`judge` of a cell its own rank 0 judged: its result, the trajectory judged against the
+        reference's envelope in `records`."""
+        ref_cell = self._reference_of(cell)
+        loaded = {}
+        try:
+            for spec in get_case(cell.case).optimizers:
+                loaded[spec.kind] = self.load_record(cell, spec.kind)
+        except EvidenceError as e:
+            return CellResult(cell, Verdict.ERROR, error=f"incomplete evidence: {e}"), None
+        result = CellResult(cell, Verdict.PASS)
+        for kind, record in loaded.items():
+            if record["error"] is not None:
+                return CellResult(cell, Verdict.ERROR, error=record["error"]), None
+            opt = result_from_record(record["result"])
+            if not cell.is_reference:
+                ref = records.get((ref_cell.cell_id, kind))
+                if ref is None:
+                    return CellResult(cell, Verdict.ERROR, error=(
+                        f"optimizer={kind}: the reference {ref_cell.cell_id} left no usable evidence (see its row), "
+                        f"so the trajectory check cannot run: no verdict")), None
+                if ref["steps"] != record["steps"]:
+                    return CellResult(cell, Verdict.ERROR, error=(
+                        f"incomplete evidence: steps {record['steps'][:12]} but the reference {ref_cell.cell_id} has "
+                        f"steps {ref['steps'][:12]}")), None
+                try:
+                    complete_trajectory(opt, [TrajectoryDeviation.from_record(d) for d in record["trajectory"]],
+                                        ref["envelopes"])
+                except Exception:
+                    return CellResult(cell, Verdict.ERROR, error=f"the checks of optimizer={kind} raised "
+                                                           f"(no verdict):\n{traceback.format_exc()}"), None
+            if opt.error is not None:
+                return CellResult(cell, Verdict.ERROR, optimizers={kind: opt}, error=f"optimizer={kind}: {opt.error}"), None
+            _add_gathered_mismatches(opt, kind, [GatheredMismatch(**m) for m in record["gathered_mismatches"]])
+            result.optimizers[kind] = opt
+        if result.violations:
+            result.verdict = Verdict.FAIL
+        return result, loaded
+
     def judge(self, cell: Cell, snapshots: dict) -> tuple[CellResult, dict | None]:
         """(the cell's result, its evidence by optimizer when it was judged pass or fail) against
         the reference evidence in `snapshots`."""
+        if cell.case in self.plan.judged_on_ranks:
+            return self.judge_record(cell, snapshots)
         init = self.inputs()[0][cell.case]
         if isinstance(init, str):
             return CellResult(cell, Verdict.ERROR, error=init), None
@@ -284,6 +364,10 @@ def evaluate(plan: RunPlan, outcome: RunOutcome, judged: Callable[[int, int], No
         ref_cell = next(r for r in plan.references if r.case == case_name)
         entries = [("ref", ref_cell)] + [(str(c.world_size), c) for c in members]
         for spec in get_case(case_name).optimizers:
+            if case_name in plan.judged_on_ranks:
+                values = _judged_matrix(entries, [snapshots.get((c.cell_id, spec.kind)) for _, c in entries])
+                matrices.append(Matrix(case_name, impl, mode, spec.kind, tuple(l for l, _ in entries), values))
+                continue
             traj = {}
             for _, c in entries:
                 snap = snapshots.get((c.cell_id, spec.kind))
@@ -297,3 +381,27 @@ def evaluate(plan: RunPlan, outcome: RunOutcome, judged: Callable[[int, int], No
                 values.append(tuple(row))
             matrices.append(Matrix(case_name, impl, mode, spec.kind, tuple(l for l, _ in entries), tuple(values)))
     return cells, references, matrices
+
+
+def _judged_matrix(entries: list, records: list[dict | None]) -> tuple[tuple[float | None, ...], ...]:
+    """A matrix of cells their ranks judged (entries[0]: the reference): a cell's distance from
+    the reference is its record's, exact; two cells whose trajectories have the same digest are
+    0 apart (NaN where one is not finite, as the subtraction of a snapshot's matrix gives), and a
+    cell with the reference's digest is as far from any other as the reference is; any other pair
+    is not known (None, as for a cell without evidence)."""
+    matrix = [r["matrix"] if r is not None else None for r in records]
+
+    def distance(i: int, j: int) -> float | None:
+        a, b = matrix[i], matrix[j]
+        if a is None or b is None:
+            return None
+        ref = matrix[0]
+        if i == 0 or (ref is not None and a["digest"] == ref["digest"]):
+            return b["vs_reference"] if j else a["vs_reference"]
+        if j == 0 or (ref is not None and b["digest"] == ref["digest"]):
+            return a["vs_reference"]
+        if a["digest"] == b["digest"]:
+            return 0.0 if a["finite"] and b["finite"] else float("nan")
+        return None
+
+    return tuple(tuple(distance(i, j) for j in range(len(entries))) for i in range(len(entries)))

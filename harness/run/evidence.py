@@ -85,11 +85,7 @@ def check_snapshot_evidence(snap: dict, cell: Cell, optimizer: str, run_id: str,
         raise EvidenceError(f"optimizer={snap.get('optimizer')!r}, expected {optimizer!r}")
     if snap.get("world_size") != cell.world_size:
         raise EvidenceError(f"world_size={snap.get('world_size')!r}, the cell runs at {cell.world_size}")
-    names = list(sizes)
-    init = snap.get("init")
-    _names("initial parameters", init.get("params") if isinstance(init, dict) else None, names)
-    _shapes("initial parameter", init["params"], sizes)
-    _buffers("initial", init.get("buffers"), buffer_sizes, cell.world_size)
+    check_init_evidence(snap.get("init"), sizes, buffer_sizes, cell.world_size)
     steps = snap.get("steps")
     if not isinstance(steps, list):
         raise EvidenceError(f"steps is {type(steps).__name__}, not a list")
@@ -97,20 +93,35 @@ def check_snapshot_evidence(snap: dict, cell: Cell, optimizer: str, run_id: str,
     if numbers != list(range(1, cell.steps + 1)):
         raise EvidenceError(f"steps {_ranges(numbers)} recorded, the plan has steps 1..{cell.steps}")
     for rec in steps:
-        step = rec["step"]
-        loss = rec.get("loss")
-        if not isinstance(loss, torch.Tensor) or tuple(loss.shape) != (cell.world_size,):
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise EvidenceError(f"step {step}: loss is {shape}, expected one entry per rank ({cell.world_size},)")
-        _names(f"step {step}: parameters", rec.get("params"), names)
-        _shapes(f"step {step}: parameter", rec["params"], sizes)
-        _gradient_names(f"step {step}: gradients", rec.get("grads"), grad_names)
-        _shapes(f"step {step}: gradient", rec["grads"], sizes)
-        for key in ("shards", "shard_grads", "padding_intervals", "shadow", "replicas"):
-            if not isinstance(rec.get(key), dict):
-                raise EvidenceError(f"step {step}: {key} is missing")
-        _buffers(f"step {step}:", rec.get("buffers"), buffer_sizes, cell.world_size)
-        _names(f"step {step}: the replay's buffers", rec["shadow"].get("buffers"), list(buffer_sizes))
+        check_step_evidence(rec, cell, sizes, grad_names, buffer_sizes)
+
+
+def check_init_evidence(init, sizes: dict[str, torch.Size], buffer_sizes: dict[str, torch.Size], world_size: int) -> None:
+    """The "init" part of `check_snapshot_evidence`."""
+    _names("initial parameters", init.get("params") if isinstance(init, dict) else None, list(sizes))
+    _shapes("initial parameter", init["params"], sizes)
+    _buffers("initial", init.get("buffers"), buffer_sizes, world_size)
+
+
+def check_step_evidence(rec: dict, cell: Cell, sizes: dict[str, torch.Size], grad_names: list[str],
+                        buffer_sizes: dict[str, torch.Size]) -> None:
+    """One step's part of `check_snapshot_evidence` (a rank judging its own evidence checks each
+    step as it is taken)."""
+    names = list(sizes)
+    step = rec["step"]
+    loss = rec.get("loss")
+    if not isinstance(loss, torch.Tensor) or tuple(loss.shape) != (cell.world_size,):
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise EvidenceError(f"step {step}: loss is {shape}, expected one entry per rank ({cell.world_size},)")
+    _names(f"step {step}: parameters", rec.get("params"), names)
+    _shapes(f"step {step}: parameter", rec["params"], sizes)
+    _gradient_names(f"step {step}: gradients", rec.get("grads"), grad_names)
+    _shapes(f"step {step}: gradient", rec["grads"], sizes)
+    for key in ("shards", "shard_grads", "padding_intervals", "shadow", "replicas"):
+        if not isinstance(rec.get(key), dict):
+            raise EvidenceError(f"step {step}: {key} is missing")
+    _buffers(f"step {step}:", rec.get("buffers"), buffer_sizes, cell.world_size)
+    _names(f"step {step}: the replay's buffers", rec["shadow"].get("buffers"), list(buffer_sizes))
 
 
 def check_same_steps(snap: dict, ref: dict, ref_cell: Cell) -> None:

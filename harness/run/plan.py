@@ -94,6 +94,9 @@ class RunPlan:
     notes: tuple[str, ...] = ()  # what the plan could not check (printed before the run)
     backend: str = "gloo"  # gloo (CPU) or nccl (one rank per GPU)
     device: str = "cpu"
+    # The cases whose cells their own rank 0 judges ([Note: Judged where the evidence lives] in
+    # harness/run/judged.py); the others write snapshots that the parent judges.
+    judged_on_ranks: tuple[str, ...] = ()
     # Stamped into every launch plan, snapshot, initial state and report of this run: evidence
     # carrying another id is never judged (see harness/judge/verdict.py).
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -191,6 +194,7 @@ def build_plan(
     launch_per_cell: bool = False,
     backend: str = "gloo",
     device: str = "cpu",
+    judge_on: str = "auto",
 ) -> RunPlan:
     from harness.adapters.registry import resolve_impl  # imports torch; kept out of plain Cell use
 
@@ -295,8 +299,33 @@ def build_plan(
         raise PlanError("--out is empty; name a directory (for example --out runs/mine)")
     ids = [c.cell_id for c in references + tuple(cells)]
     assert len(set(ids)) == len(ids), f"cell ids repeat: {sorted(i for i in set(ids) if ids.count(i) > 1)}"
+    if judge_on not in JUDGE_ON:
+        raise PlanError(f"--judge-on={judge_on!r} must be one of {list(JUDGE_ON)}")
+    judged_on_ranks = tuple(name for name in cases if any(c.case == name for c in cells)
+                            and (judge_on == "ranks" or (judge_on == "auto" and num_parameters(name) >= JUDGE_ON_RANKS_FROM)))
     return RunPlan(tuple(cells), references, Path(out_dir), float(timeout_s), threads, launch_per_cell,
-                   tuple(dict.fromkeys(extra_paths)), tuple(skipped), notes, backend, device)
+                   tuple(dict.fromkeys(extra_paths)), tuple(skipped), notes, backend, device,
+                   judged_on_ranks=judged_on_ranks)
+
+
+JUDGE_ON = ("auto", "ranks", "parent")
+# --judge-on auto: a case of this many parameters or more is judged by its cells' own rank 0
+# ([Note: Judged where the evidence lives]); below it a snapshot costs less than a second lock-step
+# training of the reference in every cell, and the parent's matrices are complete.
+JUDGE_ON_RANKS_FROM = 1 << 20
+
+
+def num_parameters(case_name: str) -> int:
+    """The case's plain model's parameter count, built on the meta device (no memory for them)."""
+    import torch
+
+    case = get_case(case_name)
+    try:
+        with torch.device("meta"):
+            model = case.build_model()
+    except Exception:  # a model that cannot be built on meta: built for real
+        model = case.build_model()
+    return sum(p.numel() for p in model.parameters())
 
 
 def _check_cases(cases: tuple[str, ...], adapters: dict, world_sizes: tuple[int, ...],
@@ -374,6 +403,7 @@ def write_launch_plan(path: Path, plan: RunPlan, world_size: int, cells: tuple[C
         "snapshot_dir": str(plan.snapshot_dir.resolve()),
         "cells": [c.to_json() for c in cells],
         "max_teams": max_teams(plan),
+        "judged_on_ranks": list(plan.judged_on_ranks),
     }
     path.write_text(json.dumps(payload, indent=1))
 

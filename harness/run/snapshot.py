@@ -133,6 +133,32 @@ def snapshot_path(snapshot_dir: Path, cell_id: str, optimizer: str) -> Path:
     return Path(snapshot_dir) / cell_id / f"{optimizer}.pt"
 
 
+# A (cell, optimizer) judged by its own rank 0 ([Note: Judged where the evidence lives] in
+# harness/run/judged.py): its result and the few numbers per step the parent still needs, in the
+# snapshot encoding, no full tensor of the model.
+JUDGED_FORMAT = "fsdp-equiv-judged/1"
+
+
+def judged_path(snapshot_dir: Path, cell_id: str, optimizer: str) -> Path:
+    return Path(snapshot_dir) / cell_id / f"{optimizer}.judged.pt"
+
+
+def save_judged(path: Path, record: dict) -> None:
+    assert record.get("format") == JUDGED_FORMAT
+    packed = {"format": JUDGED_FORMAT, **_pack(record)}
+    write_atomic_bytes(path, lambda f: torch.save(packed, f))
+
+
+def load_judged(path: Path) -> dict:
+    packed = torch.load(path, weights_only=True, map_location="cpu")
+    if not isinstance(packed, dict) or packed.get("format") != JUDGED_FORMAT:
+        raise ValueError(f"{path}: not a {JUDGED_FORMAT} record")
+    record = _unpack(packed)
+    if not isinstance(record, dict) or record.get("format") != JUDGED_FORMAT:
+        raise ValueError(f"{path}: not a {JUDGED_FORMAT} record")
+    return record
+
+
 def started_path(snapshot_dir: Path, cell_id: str) -> Path:
     """Written by the cell's rank 0 before the cell starts: the launch ranks that run it (cells of
     one world size run side by side in disjoint ranks; harness/run/orchestrate.py names the cell a

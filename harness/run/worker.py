@@ -31,11 +31,12 @@ from harness.adapters.features import apply_activation_checkpointing
 from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
-from harness.run.plan import Cell
+from harness.run.judged import RankJudge
+from harness.run.plan import REFERENCE_IMPL, Cell
 from harness.run.rank import pick_evidence, pick_grads, rank_epilogue, rank_prologue, replica_digests, train_step
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
-from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, load_init,
-                                  save_snapshot, snapshot_path, started_path, write_atomic_text)
+from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, judged_path, load_init,
+                                  save_judged, save_snapshot, snapshot_path, started_path, write_atomic_text)
 from harness.judge.tolerance import NUM_PERTURBED_RUNS
 
 
@@ -227,8 +228,61 @@ def _make_optimizer(adapter: Adapter, wrapped: nn.Module, spec: OptimizerSpec, c
         raise RuntimeError(f"rank {ctx.rank}: impl={cell.impl} case={case.name}: {e}") from None
 
 
+class LockStepReference:
+    """The reference cell's run (impl=single at W = 1 on the global batch, no fault), trained step
+    by step beside a cell whose rank 0 judges its own evidence ([Note: Judged where the evidence
+    lives] in harness/run/judged.py): the code `run_cell` runs for the reference cell, in the same
+    process settings, so its steps are the reference cell's, bit for bit."""
+
+    def __init__(self, cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
+                 init_buffers: dict[str, torch.Tensor], device: torch.device) -> None:
+        case = get_case(cell.case)
+        self.case, self.cell = case, replace(cell, impl=REFERENCE_IMPL, world_size=1, data_mode="identical",
+                                             faults=(), is_reference=True, impl_name="")
+        self.adapter: Adapter = dist_faults.planted(resolve_impl(REFERENCE_IMPL), ())
+        self.ctx = replace(RankContext(0, 1, None, device), features=case.features, faults=frozenset())
+        plain = case.build_model()
+        self.names = [n for n, _ in plain.named_parameters()]
+        self.grad_names = [n for n, p in plain.named_parameters() if p.requires_grad]
+        self.known_names = {n for n, _ in plain.named_parameters(remove_duplicate=False)}
+        self.wrapped = _build_wrapped(case, self.adapter, self.ctx, init_state, init_buffers, case.wrap_paths(plain))
+        self.optim = _make_optimizer(self.adapter, self.wrapped, spec, case, self.ctx, self.cell, set(self.names))
+        self.scheduler = spec.build_scheduler(self.optim)
+
+    def step(self, step: int) -> dict:
+        case, ctx, adapter, wrapped = self.case, self.ctx, self.adapter, self.wrapped
+        batch = case.make_batch(case.seed, step, case.global_batch)
+        inputs, targets = map_tensors(lambda t: t.to(ctx.device), local_batch(batch, "identical", 0, 1))
+        loss, grads = train_step(adapter, wrapped, self.optim, case.loss_fn, inputs, targets, case.features.grad_accum,
+                                 case.features,
+                                 lambda: pick_grads(adapter.full_grads(wrapped), self.grad_names, self.known_names,
+                                                    f"impl={REFERENCE_IMPL} full_grads"))
+        if self.scheduler is not None:
+            self.scheduler.step()
+        params = _pick(adapter.full_params(wrapped), self.names, "full_params", ctx, self.cell)
+        return {"step": step, "loss": loss.detach().reshape(1).cpu(), "grads": _cpu(grads), "params": _cpu(params)}
+
+
+def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().cpu() for n, t in tensors.items()}
+
+
+def _cpu_record(obj):
+    """A record's tensors on the CPU, where the judge computes (containers rebuilt, values kept)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _cpu_record(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu_record(v) for v in obj]
+    return obj
+
+
 def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], world: RankContext,
-             scratch_dir: Path, init_buffers: dict[str, torch.Tensor] | None = None) -> dict | None:
+             scratch_dir: Path, init_buffers: dict[str, torch.Tensor] | None = None,
+             judge_here: bool = False, run_id: str = "") -> dict | None:
+    """Train one (cell, optimizer) and return rank 0's snapshot (None on the other ranks), or with
+    `judge_here` its judged record ([Note: Judged where the evidence lives] in harness/run/judged.py)."""
     case = get_case(cell.case)
     features = case.features
     adapter: Adapter = dist_faults.planted(resolve_impl(cell.impl), cell.faults)  # collective faults, if any
@@ -251,6 +305,19 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     reshard_steps = features.checkpoint_reshard_at if adapter.reshards_checkpoints else ()
 
     layouts = adapter.layouts(wrapped)  # after make_optimizer: an engine may shard only then
+    header = {"cell": cell.to_json(), "optimizer": spec.kind, "world_size": ctx.world_size, "layouts": layouts,
+              "padding": {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
+              "init_order": names}
+    judge = None
+    if is_writer and judge_here:
+        reference = perturbed = None
+        if cell.is_reference:
+            runs = [PerturbedRun(case, spec, init_state, seed, ctx.device, init_buffers)
+                    for seed in range(1, NUM_PERTURBED_RUNS + 1)]
+            perturbed = lambda step: [run.step(step) for run in runs]  # noqa: E731
+        else:
+            reference = LockStepReference(cell, spec, init_state, init_buffers, ctx.device).step
+        judge = RankJudge(cell, spec, case, header, plain, init_state, init_buffers, reference, perturbed)
     init_params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
     # Buffers are whole on every rank: rank 0's recorded, every rank's digested ([Note: Buffers]).
     init_bufs = _pick(adapter.full_buffers(wrapped), buffer_names, "full_buffers", ctx, cell)
@@ -291,13 +358,20 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                 buffer_digests = ev.digests[:, num_replicas:num_replicas + len(buffer_names)]
                 if taken == 1:
                     init_buffer_digests = ev.digests[:, num_replicas + len(buffer_names):]
+                    if judge is not None:
+                        judge.start({"params": _cpu(init_params),
+                                     "buffers": Buffers(_cpu(init_bufs), init_buffer_digests).to_dict()})
                 if record:
-                    steps.append(StepRecord(
+                    rec = StepRecord(
                         taken, ev.losses, record["grads"], record["params"], Buffers(record["buffers"], buffer_digests),
                         record["shadow"], ev.shards, ev.shard_grads, ev.padding_intervals,
                         {"names": record["replica_names"], "digests": ev.digests[:, :num_replicas]},
-                        record["layouts"]))
-            pending = []
+                        record["layouts"])
+                    if judge is None:
+                        steps.append(rec)
+                    else:  # judged now, and let go
+                        judge.take(_cpu_record(rec.to_dict()))
+            pending, gathered = [], []
         if step in reshard_steps:
             shard_size = max(1, ctx.world_size // 2 ** (reshard_steps.index(step) + 1))
             directory = scratch_dir / f"{cell.cell_id}.{spec.kind}.step{step}"
@@ -309,6 +383,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                                      scratch_dir / f"{cell.cell_id}.{spec.kind}")
     if not is_writer:
         return None
+    if judge is not None:
+        return judge.record(run_id)
     perturbed = ([perturbed_run(case, spec, init_state, cell.steps, seed, ctx.device, init_buffers)
                   for seed in range(1, NUM_PERTURBED_RUNS + 1)] if cell.is_reference else None)
     return Snapshot(cell.to_json(), spec.kind, ctx.world_size, layouts,
@@ -316,23 +392,40 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                     init_params, Buffers(init_bufs, init_buffer_digests), steps, perturbed).to_dict()
 
 
+class PerturbedRun:
+    """The reference run with honest-sized noise added to every step's gradient, stepped one step
+    at a time: its deviation from the reference is the envelope the trajectory check scales
+    (docs/error_model.md)."""
+
+    def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], seed: int,
+                 device: torch.device, init_buffers: dict[str, torch.Tensor] | None = None) -> None:
+        self.case, self.seed = case, seed
+        self.shadow = Shadow(case, spec, init_state, device, init_buffers=init_buffers)
+        # Runs come in antithetic pairs: run 2k draws the signs of run 2k - 1 and takes their opposite
+        # (harness/judge/shadow.py Shadow._perturb), so at every element one run of the pair is pushed
+        # the full amplitude in the direction an honest cell may have gone.
+        self.generator = torch.Generator().manual_seed((seed + 1) // 2)
+        self.params = {n: p.detach().cpu().clone() for n, p in self.shadow.params.items()}
+        self.steps = 0
+
+    def step(self, step: int) -> dict[str, torch.Tensor]:
+        """The run's parameters after `step` (steps are taken in order, from 1)."""
+        if step != self.steps + 1:
+            raise RuntimeError(f"perturbed run {self.seed}: step {step} after step {self.steps}")
+        case = self.case
+        batch = case.make_batch(case.seed, step, case.global_batch)
+        self.params = self.shadow.step(self.params, batch, "identical", 1, perturb=self.generator,
+                                       antithetic=self.seed % 2 == 0)["params"]
+        self.steps = step
+        return self.params
+
+
 def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], num_steps: int,
                   seed: int, device: torch.device,
                   init_buffers: dict[str, torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
-    """The reference run with honest-sized noise added to every step's gradient: its deviation
-    from the reference is the envelope the trajectory check scales (docs/error_model.md)."""
-    shadow = Shadow(case, spec, init_state, device, init_buffers=init_buffers)
-    # Runs come in antithetic pairs: run 2k draws the signs of run 2k - 1 and takes their opposite
-    # (harness/judge/shadow.py Shadow._perturb), so at every element one run of the pair is pushed
-    # the full amplitude in the direction an honest cell may have gone.
-    generator = torch.Generator().manual_seed((seed + 1) // 2)
-    params = {n: p.detach().cpu().clone() for n, p in shadow.params.items()}
-    out = []
-    for step in range(1, num_steps + 1):
-        batch = case.make_batch(case.seed, step, case.global_batch)
-        params = shadow.step(params, batch, "identical", 1, perturb=generator, antithetic=seed % 2 == 0)["params"]
-        out.append(params)
-    return out
+    """Every step's parameters of one PerturbedRun."""
+    run = PerturbedRun(case, spec, init_state, seed, device, init_buffers)
+    return [run.step(step) for step in range(1, num_steps + 1)]
 
 
 # A rank waits this long for the other ranks of its next world size: the ranks below it may train
@@ -436,7 +529,7 @@ def _import_dynamo_in_turn(world: RankContext, sizes: list[int], max_teams: int)
 
 
 def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: RankContext, cells_store: dist.Store,
-                 init_dir: Path, snapshot_dir: Path, run_id: str) -> None:
+                 init_dir: Path, snapshot_dir: Path, run_id: str, judge_here: bool = False) -> None:
     """Cell `i` of the launch in this rank's team: its started record, every optimizer's run and
     snapshot, its completion record."""
     if ctx.rank == 0:
@@ -450,8 +543,10 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
     # a single-process cell (the reference) runs on its team's rank 0 alone
     runs_here = resolve_impl(cell.impl).needs_process_group or ctx.rank == 0
     for spec in case.optimizers if runs_here else ():
-        snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers)
-        if snapshot is not None:
+        snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers, judge_here, run_id)
+        if snapshot is not None and judge_here:
+            save_judged(judged_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
+        elif snapshot is not None:
             snapshot["run_id"] = run_id
             save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
     # Every rank finished this cell (a failure later in the launch is not its); rank 0 writes its
@@ -480,6 +575,7 @@ def main(argv: list[str]) -> int:
                            f"end at this launch's {world.world_size} ranks")
     init_dir, snapshot_dir, run_id = Path(plan["init_dir"]), Path(plan["snapshot_dir"]), plan["run_id"]
     max_teams = int(plan.get("max_teams", 1))
+    judged_on_ranks = set(plan.get("judged_on_ranks", ()))  # cases ([Note: Judged where the evidence lives])
     _import_dynamo_in_turn(world, sorted(set(sizes)) or [world.world_size], max_teams)
     cells_store = dist.PrefixStore("harness/cells", _launch_store())
     segments: list[tuple[int, list[tuple[int, Cell]]]] = []  # (world size, [(index in the plan, cell)])
@@ -497,7 +593,8 @@ def main(argv: list[str]) -> int:
             continue  # this rank sits this world size out
         for k in _claims(segment, team, ctx, len(members)):
             i, cell = members[k]
-            _run_claimed(i, cell, len(cells), ctx, world, cells_store, init_dir, snapshot_dir, run_id)
+            _run_claimed(i, cell, len(cells), ctx, world, cells_store, init_dir, snapshot_dir, run_id,
+                         cell.case in judged_on_ranks)
     rank_epilogue()
     return 0
 

@@ -1,0 +1,142 @@
+"""A (cell, optimizer) judged by its own rank 0 as the evidence is taken: the parent receives a
+result, never a copy of the model.
+
+[Note: Judged where the evidence lives]
+A snapshot holds, per step, the full gradients and parameters, the raw shards of every rank, the
+replay's gradients, parameters and optimizer state, and for a reference cell its perturbed runs:
+parameters x steps x copies, 22 copies of the model per step for a transformer (issue 31: 3 GB of
+output and 7.7 GB in the parent for a 16.8M-parameter GPT-2). Every one of those tensors is in the
+memory of the cell's rank 0 at the step it is taken (the replay runs there), so rank 0 judges the
+step there and then, with the judge the parent runs on a snapshot (harness/judge/diff.py
+CellJudge, the same code), and lets the tensors go:
+- the evidence checks (names, shapes, every step present) and the layouts check run per step on
+  the same records the snapshot would hold (harness/run/evidence.py, harness/judge/layouts.py);
+- the trajectory check needs the free-running reference's parameters at every step. They are
+  the reference cell's (impl=single, W = 1), which a snapshot carried from that cell to every
+  other; here rank 0 trains that reference itself, step by step beside the cell, with the same
+  code and settings (harness/run/worker.py LockStepReference): the same bits, at the price of one
+  more plain-model training per cell instead of parameters x steps on disk. What the check then
+  needs from the reference cell is its envelope, one number per parameter and step
+  (trajectory_envelope), which the reference cell's rank 0 computes from its perturbed runs,
+  stepped beside it; the parent judges the cell's deviations (TrajectoryDeviation, a few numbers
+  per parameter and step) against it (complete_trajectory), in the order a snapshot's judge does;
+- the W x W matrices compare cells by their whole trajectories: the cell's distance from the
+  reference is computed here exactly; two cells whose trajectories have the same digest are 0
+  apart (NaN when either is not finite, as a subtraction gives), and a cell with the reference's
+  digest is as far from any other as the reference; any other pair is not known (shown as such).
+So a verdict is the snapshot's verdict, bit for bit: tests/test_judged_on_ranks.py judges the same
+cells both ways and compares every margin, violation and per-step figure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import traceback
+from dataclasses import asdict
+from typing import Callable
+
+import torch
+
+from cases.case import Case, OptimizerSpec
+from harness.judge.diff import CellJudge, ReferenceDiverged, result_to_record, trajectory_envelope, trajectory_row
+from harness.judge.layouts import LayoutError, check_step_layouts, parameter_names
+from harness.run.evidence import EvidenceError, check_init_evidence, check_step_evidence
+from harness.run.plan import Cell
+from harness.run.snapshot import JUDGED_FORMAT
+
+
+class RankJudge:
+    """Rank 0's judge of one (cell, optimizer): `start` with the initial evidence, `take` each
+    step's record as the snapshot would hold it, then `record()` for the parent.
+
+    `reference(step)` gives the reference's record of that step ({"step", "loss", "grads",
+    "params"}) for a cell under test; `perturbed(step)` the perturbed runs' parameters at that step
+    for a reference cell. A check that raises ends the judging (the cell is an error, with the
+    message the parent would give) while training goes on: the other ranks are in its collectives."""
+
+    def __init__(self, cell: Cell, spec: OptimizerSpec, case: Case, header: dict, plain: torch.nn.Module,
+                 init_state: dict[str, torch.Tensor], init_buffers: dict[str, torch.Tensor],
+                 reference: Callable[[int], dict] | None = None,
+                 perturbed: Callable[[int], list[dict[str, torch.Tensor]]] | None = None) -> None:
+        self.cell, self.kind = cell, spec.kind
+        self.header = header
+        params = list(plain.named_parameters())
+        self.sizes = {n: p.shape for n, p in params}
+        self.grad_names = [n for n, p in params if p.requires_grad]
+        self.buffer_sizes = {n: b.shape for n, b in plain.named_buffers()}
+        self.layout_sizes, self.aliases = parameter_names(plain)
+        self.judge = CellJudge(header, {n: init_state[n] for n in self.sizes}, case, init_buffers)
+        self.reference, self.perturbed = reference, perturbed
+        self.error: str | None = None
+        self.steps: list[int] = []
+        self.envelopes: list[dict[str, torch.Tensor]] = []
+        self.mismatches: list[dict] = []
+        self.stopped = False
+        self.vs_reference = torch.zeros((), dtype=torch.float64)
+        self.finite = True
+        self._digest = hashlib.blake2b(digest_size=8)
+
+    def _guard(self, what: Callable[[], None]) -> None:
+        if self.error is not None:
+            return
+        try:
+            what()
+        except EvidenceError as e:
+            self.error = f"incomplete evidence: optimizer={self.kind}: {e}"
+        except LayoutError as e:  # [Note: Layout validation]
+            self.error = f"the adapter's layouts contradict its raw shards: optimizer={self.kind}: {e}"
+        except ReferenceDiverged as e:
+            self.error = f"optimizer={self.kind}: {e}"
+        except Exception:
+            self.error = f"the checks of optimizer={self.kind} raised (no verdict):\n{traceback.format_exc()}"
+
+    def start(self, init: dict) -> None:
+        def run() -> None:
+            check_init_evidence(init, self.sizes, self.buffer_sizes, self.cell.world_size)
+            self.judge.start(init)
+        self._guard(run)
+
+    def take(self, rec: dict) -> None:
+        """One step's record: checked, judged, its trajectory figures kept; then it may go."""
+        def run() -> None:
+            step = rec["step"]
+            if step != len(self.steps) + 1:
+                raise EvidenceError(f"step {step} recorded after steps {self.steps[-1:] or 'none'}")
+            check_step_evidence(rec, self.cell, self.sizes, self.grad_names, self.buffer_sizes)
+            for m in check_step_layouts(rec, self.header["layouts"], self.layout_sizes, self.cell.world_size,
+                                        self.aliases):
+                self.mismatches.append(asdict(m))
+            ref = self.reference(step) if self.reference is not None else None
+            if self.perturbed is not None:
+                self.envelopes.append(trajectory_envelope(rec["params"], self.perturbed(step)))
+            self.steps.append(step)
+            order = self.header["init_order"]
+            split = self.cell.data_mode == "split"
+            row = trajectory_row(rec, order, split)
+            self._digest.update(row.numpy().tobytes())
+            self.finite = self.finite and bool(torch.isfinite(row).all())
+            if ref is not None:  # NaN propagates, as in the parent's matrices
+                self.vs_reference = torch.maximum(self.vs_reference,
+                                                  (row.double() - trajectory_row(ref, order, False).double()).abs().max())
+            # Once the cell went non-finite the judge stops (the first divergence is named); the
+            # reference and the matrices' rows go on, as over a snapshot.
+            if not self.stopped and not self.judge.step(rec, ref):
+                self.stopped = True
+        self._guard(run)
+
+    def record(self, run_id: str) -> dict:
+        """What the parent reads (harness/judge/verdict.py): the result, or why there is none."""
+        result, trajectory = None, []
+        if self.error is None:
+            def run() -> None:
+                nonlocal result, trajectory
+                result = result_to_record(self.judge.finish(None))
+                trajectory = [dev.to_record() for dev in self.judge.trajectory]
+            self._guard(run)
+        return {"format": JUDGED_FORMAT, "run_id": run_id, "cell": self.cell.to_json(), "optimizer": self.kind,
+                "world_size": self.cell.world_size, "steps": self.steps, "error": self.error,
+                "result": result if self.error is None else None, "trajectory": trajectory,
+                "envelopes": self.envelopes if self.perturbed is not None else None,
+                "gathered_mismatches": self.mismatches,
+                "matrix": {"vs_reference": float(self.vs_reference), "digest": self._digest.hexdigest(),
+                           "finite": self.finite}}

@@ -1,0 +1,89 @@
+"""A cell judged by its own rank 0 ([Note: Judged where the evidence lives] in
+harness/run/judged.py) gets the verdict its snapshot gets in the parent, bit for bit: every margin,
+violation, first divergence, per-step worst element and trajectory figure; and it leaves a record
+of a few kilobytes, no snapshot.
+
+One plan runs both ways: honest cells of two cases at W = 1, 2 and 4 in both data modes, and a
+copy of each with a planted fault (a 1e-5 gradient scale, and gradient padding left non-zero: the
+grad, param, bias, padding and trajectory checks fail). The launch is shared by the tests here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness.judge.verdict import evaluate
+from harness.run.orchestrate import run_plan
+from harness.run.plan import build_plan
+from harness.run.snapshot import judged_path, load_judged, snapshot_path
+
+CASES = ("mlp", "uneven_tiny")
+FAULTS = ("grad_scale_1e-5", "grad_padding_garbage")
+
+
+def _run(tmp_path, judge_on: str):
+    plan = build_plan(cases=CASES, impls=("ours",), world_sizes=(1, 2, 4), data_modes=None, steps=3,
+                      out_dir=tmp_path / judge_on, fault_copies=FAULTS, judge_on=judge_on)
+    torch.set_num_threads(1)  # as `harness run` judges
+    outcome = run_plan(plan)
+    cells, references, matrices = evaluate(plan, outcome)
+    return plan, {r.cell.cell_id: r for r in references + cells}, matrices
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("judged_on_ranks")
+    return _run(tmp, "parent"), _run(tmp, "ranks")
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def test_every_verdict_margin_and_violation_is_the_parents(both):
+    (_, parent, _), (plan, ranks, _) = both
+    assert plan.judged_on_ranks == CASES
+    assert set(parent) == set(ranks)
+    verdicts = {str(r.verdict) for r in parent.values()}
+    assert verdicts == {"pass", "fail"}, verdicts  # the comparison covers failing cells too
+    for cell_id, p in parent.items():
+        r = ranks[cell_id]
+        assert (r.verdict, r.error) == (p.verdict, p.error), cell_id
+        assert set(r.optimizers) == set(p.optimizers), cell_id
+        for kind, po in p.optimizers.items():
+            ro = r.optimizers[kind]
+            assert [v.to_json() for v in ro.violations] == [v.to_json() for v in po.violations], (cell_id, kind)
+            assert all(_same(ro.margins[c], po.margins[c]) for c in po.margins), (cell_id, kind, ro.margins, po.margins)
+            for field in ("checks", "step_checks", "per_step", "losses", "trajectory", "stopped_after"):
+                assert repr(getattr(ro, field)) == repr(getattr(po, field)), (cell_id, kind, field)
+    failing = [r for r in ranks.values() if str(r.verdict) == "fail"]
+    assert {v.check for r in failing for v in r.violations} >= {"grad", "param", "padding", "trajectory"}
+
+
+def test_the_matrices_agree_wherever_the_records_can_say(both):
+    (_, _, parent), (_, _, ranks) = both
+    assert len(parent) == len(ranks)
+    known = 0
+    for p, r in zip(parent, ranks):
+        assert (p.case, p.impl, p.data_mode, p.optimizer, p.labels) == (r.case, r.impl, r.data_mode, r.optimizer, r.labels)
+        for prow, rrow in zip(p.values, r.values):
+            for pv, rv in zip(prow, rrow):
+                if rv is not None:
+                    known += 1
+                    assert _same(pv, rv), (p, r)
+        assert all(_same(p.values[0][j], r.values[0][j]) for j in range(len(p.labels))), p  # vs the reference: exact
+    assert known > 0
+
+
+def test_a_judged_cell_leaves_a_small_record_and_no_snapshot(both):
+    _, (plan, _, _) = both
+    for cell in plan.references + plan.cells:
+        for kind in ("sgd", "adamw"):
+            assert not snapshot_path(plan.snapshot_dir, cell.cell_id, kind).exists()
+            path = judged_path(plan.snapshot_dir, cell.cell_id, kind)
+            assert path.stat().st_size < 64 << 10, (path, path.stat().st_size)
+            record = load_judged(path)
+            assert record["run_id"] == plan.run_id and record["steps"] == [1, 2, 3]
+            assert (record["envelopes"] is not None) == cell.is_reference
