@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--only", default=None,
                        help="comma-separated parts to measure: speed, memory, medium, throughput (default: all)")
     bench.add_argument("--smoke", action="store_true", help="a tiny model, one step: checks that bench runs")
+    bench.add_argument("--verify-sizes", default="d128,d256,d384",
+                       help="the verify-cost part's GPT-2 sizes (tests/data/gpt2_sizes.py: d128, d256, d384, small; "
+                            "default d128,d256,d384)")
     _add_search_verbs(verbs)
     return parser
 
@@ -386,9 +389,9 @@ def cmd_fuzz_or_mutants(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from harness.bench.main import BenchConfig, BenchError, run_bench
+    from harness.bench.main import VERIFY_COST_MODULE, BenchConfig, BenchError, run_bench
     from harness.errors import PlanError
-    from harness.run.plan import parse_world_sizes
+    from harness.run.plan import parse_csv, parse_world_sizes
 
     try:
         from harness.bench.main import PARTS
@@ -397,7 +400,9 @@ def cmd_bench(args) -> int:
             parts = tuple(p for p in parts if p != "throughput")
         cfg = BenchConfig(_out_dir(args.out), parse_world_sizes(args.speed_world_sizes),
                           parse_world_sizes(args.memory_world_sizes), args.iters, args.threads,
-                          parts=parts, smoke=args.smoke)
+                          parts=parts, smoke=args.smoke,
+                          verify_cases=tuple(f"{VERIFY_COST_MODULE}:{size}" for size in parse_csv(args.verify_sizes,
+                                                                                                   "verify-sizes")))
     except (ValueError, PlanError) as e:
         print(f"harness bench: error: {e}", file=sys.stderr)
         return EXIT_USAGE

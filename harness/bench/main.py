@@ -38,7 +38,9 @@ PARTS = ("speed", "memory", "medium", "throughput")
 # Parts run only when named in --only (minutes per model).
 OPTIONAL_PARTS = ("verify-cost",)
 # The verify-cost part's model series (GPT-2 shapes, tests/data/gpt2_sizes.py) and its cells.
-VERIFY_COST_CASES = ("tests/data/gpt2_sizes.py:d128", "tests/data/gpt2_sizes.py:d256")
+VERIFY_COST_MODULE = "tests/data/gpt2_sizes.py"
+VERIFY_COST_SIZES = ("d128", "d256", "d384", "small")
+VERIFY_COST_CASES = tuple(f"{VERIFY_COST_MODULE}:{size}" for size in ("d128", "d256", "d384"))
 VERIFY_COST_WORLD_SIZE = 2
 
 
@@ -53,11 +55,15 @@ class BenchConfig:
     timeout_s: float = 1200.0
     smoke: bool = False  # a tiny model and one iteration: checks that bench runs, measures nothing
     medium_world_sizes: tuple[int, ...] = (1, 2, 4, 8)  # GPT-2 medium, ours only (not in a smoke run)
+    verify_cases: tuple[str, ...] = VERIFY_COST_CASES
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.parts) - set(PARTS) - set(OPTIONAL_PARTS))
         if unknown or not self.parts:
             raise ValueError(f"bench parts {unknown or '(none)'}: choose from {', '.join(PARTS + OPTIONAL_PARTS)}")
+        sizes = [c.rsplit(":", 1)[-1] for c in self.verify_cases]
+        if not sizes or any(s not in VERIFY_COST_SIZES for s in sizes):
+            raise ValueError(f"--verify-sizes {','.join(sizes) or '(none)'}: choose from {', '.join(VERIFY_COST_SIZES)}")
         if self.iters < 1:
             raise ValueError(f"iters={self.iters} must be >= 1")
         bad = [w for w in (*self.speed_world_sizes, *self.memory_world_sizes, *self.medium_world_sizes) if w < 1]
@@ -116,7 +122,7 @@ def _measure(cfg: BenchConfig, work: Path, progress) -> dict:
         progress("bench: harness throughput (batched matrix vs bare launches vs one launch per cell)")
         result["throughput"] = harness_throughput(cfg, work)
     if "verify-cost" in cfg.parts:
-        result["verify_cost"] = [verify_cost(cfg, work, case, progress) for case in VERIFY_COST_CASES]
+        result["verify_cost"] = [verify_cost(cfg, work, case, progress) for case in cfg.verify_cases]
     return result
 
 

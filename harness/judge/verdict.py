@@ -247,6 +247,11 @@ class Judge:
                     return CellResult(cell, Verdict.ERROR, error=(
                         f"optimizer={kind}: the reference {ref_cell.cell_id} left no usable evidence (see its row), "
                         f"so the trajectory check cannot run: no verdict")), None
+                if ref["init_digest"] != record["init_digest"]:
+                    return CellResult(cell, Verdict.ERROR, error=(
+                        f"the case's build_model() built another initial state for this cell than for the reference "
+                        f"{ref_cell.cell_id} (digests {record['init_digest']} and {ref['init_digest']}); a case must "
+                        f"build the same model in every process (seed it, or give its weights)")), None
                 if ref["steps"] != record["steps"]:
                     return CellResult(cell, Verdict.ERROR, error=(
                         f"incomplete evidence: steps {record['steps'][:12]} but the reference {ref_cell.cell_id} has "

@@ -134,6 +134,7 @@ class RankJudge:
                 trajectory = [dev.to_record() for dev in self.judge.trajectory]
             self._guard(run)
         return {"format": JUDGED_FORMAT, "run_id": run_id, "cell": self.cell.to_json(), "optimizer": self.kind,
+                "init_digest": self.header["init_digest"],
                 "world_size": self.cell.world_size, "steps": self.steps, "error": self.error,
                 "result": result if self.error is None else None, "trajectory": trajectory,
                 "envelopes": self.envelopes if self.perturbed is not None else None,

@@ -48,18 +48,18 @@ from cases.catalog import get_case
 from harness.run.launch import EXIT_GRACE_S, launch
 from harness.run.outcome import LaunchResult, RunOutcome
 from harness.run.plan import Cell, RunPlan
-from harness.run.snapshot import complete_path, save_state, started_path
+from harness.run.snapshot import build_init, complete_path, save_state, started_path
 
 
 def write_init_states(plan: RunPlan) -> None:
     """One reference initial state per case; every world size and impl loads this same state (and
     the model's buffers as built, non-persistent ones included: the reference of the buffers check)."""
-    for case_name in sorted({c.case for c in plan.cells + plan.references}):
+    # A case judged on the ranks is built by every rank itself (harness/run/judged.py): its state
+    # is the size of the model, on disk and in the parent.
+    for case_name in sorted({c.case for c in plan.cells + plan.references} - set(plan.judged_on_ranks)):
         case = get_case(case_name)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(case.seed)
-            model = case.build_model()
-        save_state(plan.init_dir / f"{case.name}.pt", model.state_dict(), plan.run_id, dict(model.named_buffers()))
+        state, buffers = build_init(case)
+        save_state(plan.init_dir / f"{case.name}.pt", state, plan.run_id, buffers)
 
 
 def _completion_record(plan: RunPlan, cell: Cell) -> dict | None:

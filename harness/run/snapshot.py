@@ -307,6 +307,26 @@ def save_state(path: Path, state: dict[str, torch.Tensor], run_id: str,
     write_atomic_bytes(path, lambda f: torch.save(payload, f))
 
 
+def build_init(case) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The reference initial state of a case (cases/case.py Case) and every buffer of its model as
+    built: `case.build_model()` under the case's seed, the global RNG left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(case.seed)
+        model = case.build_model()
+    return model.state_dict(), dict(model.named_buffers())
+
+
+def state_digest(state: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> str:
+    """A digest of an initial state's names, dtypes, shapes and bits (equal digests, equal states)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (state, buffers):
+        for name in sorted(part):
+            t = part[name].detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format)
+            h.update(f"{name}:{t.dtype}:{tuple(part[name].shape)};".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def load_init(path: Path, run_id: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(state, buffers) saved by `save_state` of run `run_id`, from one read of the file;
     ValueError for anything else."""

@@ -35,7 +35,8 @@ from harness.run.judged import RankJudge
 from harness.run.plan import REFERENCE_IMPL, Cell
 from harness.run.rank import pick_evidence, pick_grads, rank_epilogue, rank_prologue, replica_digests, train_step
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
-from harness.run.snapshot import (Buffers, Snapshot, StepRecord, complete_path, digest, judged_path, load_init,
+from harness.run.snapshot import (Buffers, Snapshot, StepRecord, build_init, complete_path, digest, judged_path,
+                                  load_init, state_digest,
                                   save_judged, save_snapshot, snapshot_path, started_path, write_atomic_text)
 from harness.judge.tolerance import NUM_PERTURBED_RUNS
 
@@ -280,7 +281,7 @@ def _cpu_record(obj):
 
 def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], world: RankContext,
              scratch_dir: Path, init_buffers: dict[str, torch.Tensor] | None = None,
-             judge_here: bool = False, run_id: str = "") -> dict | None:
+             judge_here: bool = False, run_id: str = "", init_digest: str | None = None) -> dict | None:
     """Train one (cell, optimizer) and return rank 0's snapshot (None on the other ranks), or with
     `judge_here` its judged record ([Note: Judged where the evidence lives] in harness/run/judged.py)."""
     case = get_case(cell.case)
@@ -307,7 +308,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     layouts = adapter.layouts(wrapped)  # after make_optimizer: an engine may shard only then
     header = {"cell": cell.to_json(), "optimizer": spec.kind, "world_size": ctx.world_size, "layouts": layouts,
               "padding": {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
-              "init_order": names}
+              "init_order": names, "init_digest": init_digest}
     judge = None
     if is_writer and judge_here:
         reference = perturbed = None
@@ -528,6 +529,17 @@ def _import_dynamo_in_turn(world: RankContext, sizes: list[int], max_teams: int)
     store.set(f"imported/{world.rank}", "1")
 
 
+def _same_init_everywhere(case: Case, digest_hex: str, ctx: RankContext) -> None:
+    """Raise on every rank of the team unless every rank built the same initial state."""
+    mine = torch.tensor([int(digest_hex[i:i + 12], 16) for i in range(0, 24, 12)], dtype=torch.float64,
+                        device=ctx.device)
+    rows = _all_gather_rows(mine, ctx).cpu()
+    differ = [r for r in range(rows.shape[0]) if not torch.equal(rows[r], rows[0])]
+    if differ:
+        raise RuntimeError(f"case={case.name}: build_model() gave rank(s) {differ} another initial state than rank 0; "
+                           f"a case must build the same model in every process (seed it, or give its weights)")
+
+
 def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: RankContext, cells_store: dist.Store,
                  init_dir: Path, snapshot_dir: Path, run_id: str, judge_here: bool = False) -> None:
     """Cell `i` of the launch in this rank's team: its started record, every optimizer's run and
@@ -538,12 +550,19 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
                           json.dumps({"run_id": run_id, "cell_id": cell.cell_id,
                                       "launch_ranks": list(range(first, first + ctx.world_size))}) + "\n")
     case = get_case(cell.case)
-    init_state, init_buffers = load_init(init_dir / f"{case.name}.pt", run_id)
+    init_digest = None
+    if judge_here:  # built here, the same in every rank, or no cell runs ([Note: Judged where the evidence lives])
+        init_state, init_buffers = build_init(case)
+        init_digest = state_digest(init_state, init_buffers)
+        _same_init_everywhere(case, init_digest, ctx)
+    else:
+        init_state, init_buffers = load_init(init_dir / f"{case.name}.pt", run_id)
     start = time.perf_counter()
     # a single-process cell (the reference) runs on its team's rank 0 alone
     runs_here = resolve_impl(cell.impl).needs_process_group or ctx.rank == 0
     for spec in case.optimizers if runs_here else ():
-        snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers, judge_here, run_id)
+        snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers, judge_here, run_id,
+                            init_digest)
         if snapshot is not None and judge_here:
             save_judged(judged_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
         elif snapshot is not None:
