@@ -141,6 +141,12 @@ def load_nonpersistent_buffers(model: nn.Module, buffers: dict[str, torch.Tensor
                 b.copy_(buffers[name])
 
 
+def _allowance(reordered: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per gradient tensor, REORDER_FACTOR x the reordered replays' largest deviation."""
+    return {n: REORDER_FACTOR * d.amax().cpu() if d.numel() else torch.zeros((), dtype=torch.float64)
+            for n, d in reordered.items()}
+
+
 class Shadow:
     """The plain model and optimizer, stepped each step from the cell's own previous parameters."""
 
@@ -297,16 +303,21 @@ class Shadow:
 
     def step(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
              perturb: torch.Generator | None = None, buffers_before: dict[str, torch.Tensor] | None = None,
-             antithetic: bool = False) -> dict:
+             antithetic: bool = False, reorder: bool = True) -> dict:
         """One step replayed from the cell's parameters (and buffers, when given; else the shadow's
-        own) before it; "buffers" in the result are rank 0's after its forward passes."""
+        own) before it; "buffers" in the result are rank 0's after its forward passes.
+
+        With `reorder` off the reordered replays are not run: "reorder" is empty and
+        "reorder_later" computes it when a judge needs it (`reorder_allowance`)."""
         with torch.no_grad():
             for name, p in self.params.items():
                 p.copy_(params_before[name])
         if buffers_before is not None:
             self._set_buffers(buffers_before)
         self._reorder_seed += 1
-        losses, grads, abs_grads, reordered = self._terms(batch, data_mode, world_size, self.num_micro)
+        seed = self._reorder_seed
+        reorder = reorder or perturb is not None  # a perturbed step's noise includes the allowance
+        losses, grads, abs_grads, reordered = self._terms(batch, data_mode, world_size, self.num_micro, reorder)
         buffers = {n: b.detach().cpu().clone() for n, b in self.buffers.items()}
         if perturb is not None:
             self._perturb(grads, batch, perturb, reordered, antithetic)
@@ -319,14 +330,13 @@ class Shadow:
         self.optim.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        return {
+        out = {
             "loss": losses.detach().cpu(),
             "grads": {n: g.cpu() for n, g in grads.items()},
             "abs_grads": {n: a.cpu() for n, a in abs_grads.items()},
             "num_terms": {n: k for n, k in self.num_terms(world_size).items() if n in grads},
             # Per gradient tensor, the allowance for a reordered accumulation of the local backward.
-            "reorder": {n: REORDER_FACTOR * d.amax().cpu() if d.numel() else torch.zeros((), dtype=torch.float64)
-                        for n, d in reordered.items()},
+            "reorder": _allowance(reordered),
             "params": {n: p.detach().cpu().clone() for n, p in self.params.items()},
             "buffers": buffers,
             "hyper": hyper,
@@ -335,6 +345,27 @@ class Shadow:
                 for n, p in self.params.items()
             },
         }
+        if not reorder:
+            before = {n: t.detach().clone() for n, t in params_before.items()}
+            buffers = None if buffers_before is None else {n: b.detach().clone() for n, b in buffers_before.items()}
+            out["reorder_later"] = lambda: self.reorder_allowance(before, batch, data_mode, world_size, buffers, seed)
+        return out
+
+    def reorder_allowance(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
+                          buffers_before: dict[str, torch.Tensor] | None, seed: int) -> dict[str, torch.Tensor]:
+        """The "reorder" of a `step(..., reorder=False)` taken with these arguments: the same
+        replays from the same state and seed, so the same bits. It leaves the plain model's
+        parameters and buffers at that step's (the next `step` sets them from its own arguments)."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(params_before[name])
+        if buffers_before is not None:
+            self._set_buffers(buffers_before)
+        current, self._reorder_seed = self._reorder_seed, seed
+        try:
+            return _allowance(self._terms(batch, data_mode, world_size, self.num_micro)[3])
+        finally:
+            self._reorder_seed = current
 
     def hyperparameters(self) -> dict[str, dict]:
         """Per parameter name, the hyperparameters of its optimizer group now (the error model's

@@ -347,8 +347,9 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         record = {}
         if shadow is not None:
             record = {"grads": grads, "params": params, "buffers": buffers, "replica_names": replicas["names"],
+                      # judged here: the reordered replays only where the judge needs them
                       "shadow": shadow.step(params_before, batch, cell.data_mode, ctx.world_size,
-                                            buffers_before=buffers_before),
+                                            buffers_before=buffers_before, reorder=judge is None),
                       "layouts": adapter.layouts(wrapped)}
         pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests), len(replicas["names"]),
                         record))
