@@ -36,7 +36,7 @@ from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, GRAD_STATISTICS, 
                                   UPDATE_STATISTICS, Judgement, Violation, nan_max)
 from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, sign_counts
 from harness.run.snapshot import digest
-from harness.judge.tolerance import (MAX_MEDIAN_RELATIVE_TOLERANCE, TRAJECTORY_FACTOR,
+from harness.judge.tolerance import (CHUNK_ELEMENTS, MAX_MEDIAN_RELATIVE_TOLERANCE, TRAJECTORY_FACTOR,
                                OptimizerErrorState, ReductionModel, clip_coefficient_error, sign_test_threshold,
                                unit_roundoff)
 
@@ -86,16 +86,21 @@ def compare(actual: torch.Tensor, expected: torch.Tensor) -> DiffStats:
         raise ValueError(f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
     if actual.numel() == 0:
         return DiffStats(0.0, 0.0, 0, 0, 0)
-    diff = (actual.double() - expected.double()).abs()
-    differs = actual != expected
-    rel = diff / expected.double().abs().clamp(min=torch.finfo(expected.dtype).tiny)
-    return DiffStats(
-        max_abs=diff.max().item(),
-        max_rel=rel.max().item() if differs.any() else 0.0,
-        max_ulp=int(ulp_distance(actual, expected).max().item()),
-        num_diff=int(differs.sum().item()),
-        numel=actual.numel(),
-    )
+    # In chunks (CHUNK_ELEMENTS, harness/judge/tolerance.py): the maxima and counts of the whole.
+    a, e = actual.reshape(-1), expected.reshape(-1)
+    max_abs = max_rel = 0.0
+    max_ulp = num_diff = 0
+    tiny = torch.finfo(expected.dtype).tiny
+    for start in range(0, a.numel(), CHUNK_ELEMENTS):
+        ac, ec = a[start:start + CHUNK_ELEMENTS], e[start:start + CHUNK_ELEMENTS]
+        diff = (ac.double() - ec.double()).abs()
+        rel = diff / ec.double().abs().clamp(min=tiny)
+        max_abs = nan_max(max_abs, diff.max().item()) if start else diff.max().item()
+        max_rel = nan_max(max_rel, rel.max().item()) if start else rel.max().item()
+        max_ulp = max(max_ulp, int(ulp_distance(ac, ec).max().item()))
+        num_diff += int((ac != ec).sum().item())
+    return DiffStats(max_abs=max_abs, max_rel=max_rel if num_diff else 0.0, max_ulp=max_ulp, num_diff=num_diff,
+                     numel=actual.numel())
 
 
 def owner_of(layout: dict | None, size: torch.Size, index: int) -> int | None:
@@ -317,17 +322,17 @@ class CheckStats:
 
     def add_samples(self, seg: Segments, tol: torch.Tensor, value: torch.Tensor) -> None:
         """`add`'s tol / |value| samples of every segment at once (flat float64 tol and value):
-        the same elements, each segment sampled as `add` samples one tensor."""
-        mask = value != 0
-        rel = tol[mask] / value.abs()[mask]
-        counts = seg.counts(mask)
-        if any(c > 4096 for c in counts):
-            ids = seg.ids[mask]
-            starts = torch.tensor([0] + counts, dtype=torch.long).cumsum(0)[:-1]
-            stride = torch.tensor([c // 4096 + 1 if c > 4096 else 1 for c in counts], dtype=torch.long)
-            rel = rel[(torch.arange(rel.numel()) - starts[ids]) % stride[ids] == 0]
-        if rel.numel():
-            self.rel_tol_samples.append(rel)
+        the same elements, each segment sampled as `add` samples one tensor (its non-zero values,
+        every (count // 4096 + 1)-th of them where it has more than 4096), found before dividing."""
+        picked = []
+        for start, end in zip(seg.offsets[:-1], seg.offsets[1:]):
+            at = (value[start:end] != 0).nonzero().reshape(-1)
+            if at.numel() > 4096:
+                at = at[:: at.numel() // 4096 + 1]
+            picked.append(at + start)
+        at = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long)
+        if at.numel():
+            self.rel_tol_samples.append(tol[at] / value[at].abs())
 
     def summary(self) -> dict:
         rel = torch.cat(self.rel_tol_samples) if self.rel_tol_samples else torch.zeros(0, dtype=torch.float64)
