@@ -126,6 +126,9 @@ _FEATURE_CASES = (
              "on the unsharded model", Features(clip_norm_type=2.0, clip_max_norm=0.5)),
     _lm_case("clip_grad_norm_inf", "global gradient-norm clipping (inf norm) across shards",
              Features(clip_norm_type=float("inf"), clip_max_norm=0.05)),
+    _lm_case("hybrid_shard_clip", "HSDP with L2 gradient-norm clipping: the norm sums each shard group's "
+             "shards once, not once per replica (W = 4: 2 replicas x 2 shards)",
+             Features(mesh="hybrid", clip_norm_type=2.0, clip_max_norm=0.5)),
     _lm_case("activation_checkpointing", "every block recomputed in backward (non-reentrant checkpoint) "
              "inside its wrapped unit", Features(activation_checkpointing=("blocks.0", "blocks.1"))),
     _lm_case("prefetch", "forward prefetch of the next block and backward prefetch of the previous one",

@@ -41,6 +41,10 @@ FAULTS: dict[str, str] = {
     "state_gather_rank_order": "the all-gather behind full state dicts places each rank's shard one slot "
                                "later (rank r's block lands at r + 1): the shards stay right, the gathered "
                                "parameters are wrong",
+    "clip_twice": "clip_grad_norm_ clips twice: after the first clip it computes the norm of the clipped "
+                  "gradients and clips by it again (a scale of 1 - 1e-6 / max_norm where clipping acted)",
+    "clip_norm_world_group": "clip_grad_norm_ sums the shards' norms over the whole world instead of the shard "
+                             "group: under HSDP every replica counts again (the norm sqrt(R) times too large)",
     "reduce_at_last_gradient": "a unit starts its reduction when its last view gets a gradient on this rank (or at "
                                "the end of backward), a moment ranks that give different parameters a gradient "
                                "do not share: their collectives fall out of step",
@@ -74,6 +78,26 @@ class Seams:
         before they are read rank after rank (`gather_full_many` in impl/_handle.py)."""
         return blocks
 
+    def clip_norm_group(self, shard_group):
+        """The group the shards' partial norms are summed over (impl/_clip.py)."""
+        return shard_group
+
+    def clip_times(self) -> int:
+        """How many times clip_grad_norm_ clips (impl/_clip.py)."""
+        return 1
+
+
+class _ClipTwice(Seams):
+    def clip_times(self) -> int:
+        return 2
+
+
+class _ClipNormWorldGroup(Seams):
+    def clip_norm_group(self, shard_group):
+        import torch.distributed as dist
+
+        return dist.group.WORLD if dist.is_initialized() else shard_group  # every rank of the world
+
 
 class _StepUnusedParams(Seams):
     def used_slots(self, used: list[bool]) -> list[bool]:
@@ -92,7 +116,8 @@ class _ReduceAtLastGradient(Seams):
 
 SEAM_FAULTS: dict[str, type[Seams]] = {"unused_params_stepped": _StepUnusedParams,
                                        "reduce_at_last_gradient": _ReduceAtLastGradient,
-                                       "state_gather_rank_order": _StateGatherRankOrder}
+                                       "state_gather_rank_order": _StateGatherRankOrder,
+                                       "clip_twice": _ClipTwice, "clip_norm_world_group": _ClipNormWorldGroup}
 
 
 def seams_for(faults: frozenset[str]) -> Seams:

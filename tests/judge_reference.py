@@ -11,9 +11,11 @@ import torch
 
 from cases.catalog import Case, get_case
 from harness.judge.diff import CheckStats, DiffStats, OptimizerResult, ReferenceDiverged, _coords, compare, flat, owner_of, precision_refusal, reduction_model
-from harness.judge.result import ALL_PARAMETERS, CHECK_ORDER, RUN_UPDATE_STATISTICS, UPDATE_STATISTICS, Violation
-from harness.judge.tolerance import (TRAJECTORY_FACTOR, OptimizerErrorState, ReductionModel, clip_coefficient_error,
-                                     sign_test_threshold, unit_roundoff)
+from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, CLIP_NORM, RUN_UPDATE_STATISTICS, UPDATE_STATISTICS,
+                                  Violation)
+from harness.judge.tolerance import (CLIP_COEFFICIENT_ULPS, TRAJECTORY_FACTOR, OptimizerErrorState, ReductionModel,
+                                     clip_coefficient, clip_coefficient_error, clip_norm_bound, sign_test_threshold,
+                                     unit_roundoff)
 
 
 def _ratios(diff: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
@@ -138,8 +140,10 @@ class StepBounds:
         reorder = shadow.get("reorder")
         return bounds, ({n: reorder[n].double() for n in shadow["grads"]} if reorder else None)
 
-    def step(self, step: int, shadow: dict, reordered: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def step(self, step: int, shadow: dict, reordered: bool = False,
+             clip_norms: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         features, u = self.case.features, self.u_param
+        self.clip_norm = None
         param_tols, stepped, stepped_tols = {}, {}, {}
         grad_tols, allowance = self.grad_bounds(shadow)
         if reordered and allowance is not None:  # the reordered local backward's allowance, one per tensor
@@ -148,9 +152,15 @@ class StepBounds:
             stepped[name] = exact.float().double()  # what the shadow's optimizer stepped with
             stepped_tols[name] = grad_tols[name] + (stepped[name] - exact.double()).abs()
         if features.clip_norm_type is not None:
-            coef, dcoef = clip_coefficient_error(stepped, stepped_tols, features.clip_max_norm,
-                                                 features.clip_norm_type, u)
-            self.clip_may_have_acted = self.clip_may_have_acted or coef < 1 or dcoef > 0
+            self.clip_norm = clip_norm_bound(stepped, stepped_tols, features.clip_norm_type, u)
+            if clip_norms is not None and clip_norms.numel() and bool(torch.isfinite(clip_norms).all()):
+                coef = float(clip_coefficient(float(clip_norms[0]), features.clip_max_norm))
+                dcoef = 0.0 if coef == 1.0 else 2 * u * coef
+                self.clip_may_have_acted = self.clip_may_have_acted or coef < 1
+            else:
+                coef, dcoef = clip_coefficient_error(stepped, stepped_tols, features.clip_max_norm,
+                                                     features.clip_norm_type, u)
+                self.clip_may_have_acted = self.clip_may_have_acted or coef < 1 or dcoef > 0
             stepped_tols = {n: (coef + dcoef) * t + dcoef * stepped[n].abs() + u * coef * stepped[n].abs()
                             for n, t in stepped_tols.items()}
             stepped = {n: coef * g for n, g in stepped.items()}
@@ -315,7 +325,28 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
                 if beyond:
                     name = max(beyond, key=beyond.get)
                     step_bounds.reordered_from = {"step": step, "name": name, "ratio": beyond[name]}
-        grad_tols, param_tols = step_bounds.step(step, shadow, step_bounds.reordered_from is not None)
+        clip_norms = rec.get("clip_norm")
+        grad_tols, param_tols = step_bounds.step(step, shadow, step_bounds.reordered_from is not None, clip_norms)
+        if clip_norms is not None and step_bounds.clip_norm is not None:
+            # the clip check: each rank's norm, then every clipped element (harness/judge/diff.py)
+            norm, dnorm = step_bounds.clip_norm
+            worst = step_worst.setdefault((step, "clip"), {})
+            for r, value in enumerate(clip_norms.double().tolist()):
+                if math.isnan(value) and not bool(torch.isfinite(clip_norms).any()):
+                    continue
+                diff = abs(value - norm)
+                ratio = (0.0 if diff == 0 else diff / dnorm if dnorm > 0 else math.inf) if diff == diff else math.inf
+                stats["clip"].add(1, ratio)
+                if not ratio <= worst.get("margin", -1.0):
+                    worst.update(margin=ratio, diff=diff, tol=dnorm, name=CLIP_NORM)
+                if not ratio <= 1:
+                    viol.append(Violation(kind, step, "clip", CLIP_NORM, ratio, diff, dnorm, value, norm, rank=r))
+            clipped = rec.get("clipped_grads")
+            if clipped is not None and bool(torch.isfinite(clip_norms).all()):
+                coef = clip_coefficient(float(clip_norms[0]), step_bounds.case.features.clip_max_norm)
+                for name, g in cell_grads.items():
+                    tol = CLIP_COEFFICIENT_ULPS * unit_roundoff(g.dtype) * float(coef) * g.double().abs()
+                    judge("clip", step, name, clipped[name], g * coef.to(g.dtype), tol, step_layouts.get(name))
         for name, g in rec["grads"].items():
             judge("grad", step, name, g, shadow["grads"][name], grad_tols[name], step_layouts.get(name),
                   value=shadow["grads"][name])

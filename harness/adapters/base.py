@@ -92,7 +92,7 @@ import enum
 import math
 import re
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -114,6 +114,15 @@ class RankContext:
     device: torch.device = torch.device("cpu")
     features: Features = PLAIN  # what the case turns on (cases/features.py)
     faults: frozenset[str] = field(default_factory=frozenset)  # planted faults (impl=ours only)
+
+
+def norm_value(norm) -> float | None:
+    """A clip norm as a float: a tensor's value (a DTensor's whole value), None as None."""
+    if norm is None:
+        return None
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm.detach().cpu().item()) if isinstance(norm, torch.Tensor) else float(norm)
 
 
 class Padding(enum.Enum):
@@ -189,13 +198,25 @@ class Adapter:
         before = (lambda i: self.set_gradient_sync(model, i == num_micro - 1)) if num_micro > 1 else None
         return forward_backward(model, loss_fn, inputs, targets, num_micro, before_micro=before)
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float) -> None:
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm, norm_type)
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float) -> float | None:
+        """Clip the gradients by their global norm; return the norm the implementation computed
+        (before clipping; None: not known). The judge checks it against the exact gradients' norm
+        and replays the step with the coefficient it implies ([Note: Clipping judged with the
+        cell's norm] in harness/judge/diff.py)."""
+        return norm_value(torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm, norm_type))
 
-    def optimizer_step(self, model: nn.Module, optim: torch.optim.Optimizer, features: Features) -> None:
+    def optimizer_step(self, model: nn.Module, optim: torch.optim.Optimizer, features: Features,
+                       after_clip: Callable[[], None] | None = None) -> float | None:
+        """Clip (when the case clips) and step; returns `clip_grad_norm`'s norm, or None.
+        `after_clip()`, when given, runs between the clipping and the step (the harness takes the
+        clipped gradients there; an override without the argument gives no such evidence)."""
+        norm = None
         if features.clip_norm_type is not None:
-            self.clip_grad_norm(model, features.clip_max_norm, features.clip_norm_type)
+            norm = self.clip_grad_norm(model, features.clip_max_norm, features.clip_norm_type)
+            if after_clip is not None:
+                after_clip()
         optim.step()
+        return norm
 
     def zero_grad(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
         optim.zero_grad(set_to_none=True)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cases.features import DTYPES, PLAIN, Features
-from harness.adapters.base import Adapter, RankContext, RawShard, set_prefetch
+from harness.adapters.base import Adapter, RankContext, RawShard, norm_value, set_prefetch
 from harness.adapters.features import all_reduce_mean_copy, make_mesh
 
 
@@ -70,7 +70,7 @@ class Ours(Adapter):
     def clip_grad_norm(self, model, max_norm, norm_type):
         import impl
 
-        impl.clip_grad_norm_(model, max_norm, norm_type)
+        return norm_value(impl.clip_grad_norm_(model, max_norm, norm_type))
 
     def reshard_checkpoint(self, model, optim, spec, ctx, features, directory, shard_size, wrap_paths, build_model):
         """Save a sharded checkpoint, then load it into a fresh model sharded over `shard_size`

@@ -48,6 +48,8 @@ FAULT_CASES = {
     "replica_grad_drift": ("no_shard", "hybrid_shard"),
     "buffers_zeroed_at_wrap": ("batchnorm",),  # identical data only: BatchNorm refuses split
     "unused_params_stepped": ("unused_head",),
+    "clip_twice": ("clip_grad_norm",),
+    "clip_norm_world_group": ("hybrid_shard_clip",),
 }
 # Real architectures (cases/architectures.py): every fault runs on each too, honestly and planted,
 # and the per-case table shows it caught on each. A fault that acts only under a feature a case
@@ -61,6 +63,8 @@ FAULT_NEEDS = {
     "buffers_zeroed_at_wrap": "module buffers",
     "unused_params_stepped": "a parameter without a gradient (no loss term reaches it)",
     "reduce_at_last_gradient": "a parameter one rank's batch gives a gradient and another's does not (split data)",
+    "clip_twice": "gradient-norm clipping",
+    "clip_norm_world_group": "gradient-norm clipping under HSDP (replicated shards)",
 }
 
 
@@ -84,6 +88,8 @@ def fault_cannot_act(fault: str, case_name: str) -> str | None:
         "buffers_zeroed_at_wrap": lambda: any(True for _ in case.build_model().buffers()),
         "unused_params_stepped": lambda: _has_parameter_without_gradient(case),
         "reduce_at_last_gradient": lambda: _has_rank_dependent_gradient(case),
+        "clip_twice": lambda: features.clip_norm_type is not None,
+        "clip_norm_world_group": lambda: features.clip_norm_type is not None and features.mesh == "hybrid",
     }
     if fault in ("tied_param_duplicated", "buffers_zeroed_at_wrap", "unused_params_stepped",
                  "reduce_at_last_gradient") and case.missing_requirements():

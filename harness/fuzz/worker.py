@@ -63,7 +63,7 @@ def run_example(spec: ModelSpec, faults: frozenset[str], init: dict[str, torch.T
     for step in range(1, spec.steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = local_batch(batch, spec.data_mode, ctx.rank, ctx.world_size)
-        loss, (_, grads) = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, spec.accumulation,
+        loss, (_, grads), *_ = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, spec.accumulation,
                                       case.features, lambda: _shards(wrapped), spec.sync_every_micro)
         data, _ = _shards(wrapped)
         losses.append(loss)
@@ -100,7 +100,7 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
         inputs, targets = local_batch(batch, spec.data_mode, ctx.rank, ctx.world_size)
         # An adapter that owns its step (an engine's backward) maps a single micro-batch only
         # (fuzz/main.py `specs_for`), so it never meets sync_every_micro.
-        loss, grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, spec.accumulation,
+        loss, grads, *_ = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, spec.accumulation,
                                  case.features,
                                  lambda: pick_grads(adapter.full_grads(wrapped), grad_names, known_names,
                                                     f"{who} full_grads"),

@@ -32,11 +32,12 @@ import torch
 from cases.catalog import Case, get_case
 from cases.features import DTYPES
 from harness.judge.layouts import first_bit_difference
-from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, GRAD_STATISTICS, RUN_UPDATE_STATISTICS,
+from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, CLIP_NORM, GRAD_STATISTICS, RUN_UPDATE_STATISTICS,
                                   UPDATE_STATISTICS, Judgement, Violation, nan_max)
 from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, sign_counts
 from harness.run.snapshot import digest
-from harness.judge.tolerance import (CHUNK_ELEMENTS, MAX_MEDIAN_RELATIVE_TOLERANCE, TRAJECTORY_FACTOR,
+from harness.judge.tolerance import (CHUNK_ELEMENTS, CLIP_COEFFICIENT_ULPS, MAX_MEDIAN_RELATIVE_TOLERANCE,
+                                     TRAJECTORY_FACTOR, clip_coefficient, clip_norm_bound,
                                OptimizerErrorState, ReductionModel, clip_coefficient_error, sign_test_threshold,
                                unit_roundoff)
 
@@ -401,7 +402,8 @@ class StepBounds:
                      if reorder else None)
         return seg, reduction_tol, allowance
 
-    def step_flat(self, step: int, shadow: dict, reordered: bool = False) -> tuple[Segments, torch.Tensor, torch.Tensor]:
+    def step_flat(self, step: int, shadow: dict, reordered: bool = False,
+                  clip_norms: torch.Tensor | None = None) -> tuple[Segments, torch.Tensor, torch.Tensor]:
         """`step`'s tolerances as flat float64 tensors, one segment per gradient in the order of
         shadow["grads"] ([Note: Batched checks]: every bound is elementwise, so it is computed once
         per optimizer hyperparameter group on the group's gradients laid end to end). With
@@ -415,10 +417,18 @@ class StepBounds:
         exact = seg.flat([shadow["grads"][n] for n in names])
         stepped = exact.float().double()  # what the shadow's optimizer stepped with
         stepped_tol = grad_tol + (stepped - exact).abs()
+        self.clip_norm = None
         if features.clip_norm_type is not None:
-            coef, dcoef = clip_coefficient_error({"": stepped}, {"": stepped_tol}, features.clip_max_norm,
-                                                 features.clip_norm_type, u)
-            self.clip_may_have_acted |= coef < 1 or dcoef > 0
+            self.clip_norm = clip_norm_bound({"": stepped}, {"": stepped_tol}, features.clip_norm_type, u)
+            if clip_norms is not None and clip_norms.numel() and bool(torch.isfinite(clip_norms).all()):
+                # [Note: Clipping judged with the cell's norm]
+                coef = float(clip_coefficient(float(clip_norms[0]), features.clip_max_norm))
+                dcoef = 0.0 if coef == 1.0 else 2 * u * coef
+                self.clip_may_have_acted |= coef < 1
+            else:
+                coef, dcoef = clip_coefficient_error({"": stepped}, {"": stepped_tol}, features.clip_max_norm,
+                                                     features.clip_norm_type, u)
+                self.clip_may_have_acted |= coef < 1 or dcoef > 0
             stepped_tol = (coef + dcoef) * stepped_tol + dcoef * stepped.abs() + u * coef * stepped.abs()
             stepped = coef * stepped
         return seg, grad_tol, self._param_tol(step, shadow, names, seg, stepped, stepped_tol)
@@ -637,6 +647,55 @@ class CellJudge:
                 raise ValueError(f"{check} '{name}' step={step}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
         return self.segments(dict(zip(names, actual)))
 
+    # [Note: Clipping judged with the cell's norm]
+    # Clipping multiplies every gradient by c = min(1, max_norm / (norm + 1e-6)), one number from a
+    # sum over the whole model, whose rounding no two orders of summation share: judged from the
+    # exact gradients alone, c is known only within gamma_{N+1}(u) (6.6e-4 for the transformer),
+    # and so is every clipped update, a bound a twice-clipped step (a 1e-6 scale) passes under.
+    # So the cell's own norm is evidence (Adapter.clip_grad_norm returns it, every rank's is
+    # gathered), and so are its clipped gradients (taken between clipping and the optimizer step).
+    # The clip check holds (1) each rank's norm within the rigorous norm bound of the exact
+    # gradients' norm (a norm reduced over another group, of other gradients, fails here), and
+    # (2) every clipped element equal to the cell's gradient times the coefficient its own norm
+    # gives, within CLIP_COEFFICIENT_ULPS roundings (a second clip, another scale, fails here).
+    # The replay then clips with that coefficient (Shadow.step clip_norm), so the parameter bound
+    # carries only the coefficient's own rounding (2u c) instead of the worst case. A cell that
+    # reports no norm is judged as before, with the worst-case coefficient error. The update
+    # counts of the bias check stay off from the first step clipping acts, as before: an
+    # implementation may round its coefficient an ulp differently, a scale common to every update.
+    def clip_check(self, step: int, clip_norms: torch.Tensor, norm: float, dnorm: float) -> list[Violation]:
+        """Each rank's clip norm within the norm bound of the exact gradients' norm ([Note:
+        Clipping judged with the cell's norm]); a rank that reported none (NaN) is not judged."""
+        out = []
+        worst = self.step_worst.setdefault((step, "clip"), {})
+        for r, value in enumerate(clip_norms.double().tolist()):
+            if math.isnan(value) and not bool(torch.isfinite(clip_norms).any()):
+                continue  # no rank reported a norm: nothing to judge
+            diff = abs(value - norm)
+            ratio = (0.0 if diff == 0 else diff / dnorm if dnorm > 0 else math.inf) if diff == diff else math.inf
+            self.stats["clip"].add(1, ratio)
+            if not ratio <= worst.get("margin", -1.0):
+                worst.update(margin=ratio, diff=diff, tol=dnorm, name=CLIP_NORM)
+            if not ratio <= 1:
+                out.append(Violation(self.kind, step, "clip", CLIP_NORM, ratio, diff, dnorm, value, norm, rank=r))
+        return out
+
+    def clip_coefficient_check(self, step: int, grads: dict[str, torch.Tensor], clipped: dict[str, torch.Tensor],
+                               norm: float, step_layouts: dict) -> list[Violation]:
+        """Every clipped gradient element is the gradient times the coefficient the cell's norm
+        gives, within CLIP_COEFFICIENT_ULPS roundings ([Note: Clipping judged with the cell's norm])."""
+        missing = sorted(set(grads) ^ set(clipped))
+        if missing:
+            raise ValueError(f"step {step}: clipped gradients and gradients name different parameters: {missing[:4]}")
+        names = list(grads)
+        coef = clip_coefficient(norm, self.case.features.clip_max_norm)
+        pre = [grads[n] for n in names]
+        seg = self.segments(dict(zip(names, pre)))
+        expected = seg.flat([g * coef.to(g.device, g.dtype) for g in pre])
+        tol = seg.flat([CLIP_COEFFICIENT_ULPS * unit_roundoff(g.dtype) * float(coef) * g.double().abs() for g in pre])
+        actual = seg.flat([clipped[n] for n in names])
+        return [v for v in self.judge("clip", step, names, seg, actual, expected, tol, step_layouts) if v]
+
     def shard_rows(self, rec):
         """(key, (W, shard_numel) rows, whether its padding is declared zero) of every raw shard."""
         return ([(k, t, self.padding["params"] == "zero") for k, t in rec["shards"].items()]
@@ -762,7 +821,14 @@ class CellJudge:
                     exact = shadow_grads
                 step_bounds.reordered_from = _local_reordering(step, grad_names, seg, grads_flat, exact,
                                                                reduction_tol, reduction_tol + allowance)
-        tol_seg, grad_tol, param_tol = step_bounds.step_flat(step, shadow, step_bounds.reordered_from is not None)
+        clip_norms = rec.get("clip_norm")
+        tol_seg, grad_tol, param_tol = step_bounds.step_flat(step, shadow, step_bounds.reordered_from is not None,
+                                                             clip_norms)
+        if clip_norms is not None and step_bounds.clip_norm is not None:
+            viol.extend(self.clip_check(step, clip_norms, *step_bounds.clip_norm))
+            if rec.get("clipped_grads") is not None and bool(torch.isfinite(clip_norms).all()):
+                viol.extend(self.clip_coefficient_check(step, rec["grads"], rec["clipped_grads"],
+                                                        float(clip_norms[0]), step_layouts))
         if grad_names != list(shadow["grads"]):  # the tolerances and the shadow's flat follow its order
             grad_tol, param_tol, shadow_grads = (_reordered(tol_seg, list(shadow["grads"]), t, grad_names)
                                                  for t in (grad_tol, param_tol, shadow_grads))

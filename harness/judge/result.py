@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 from harness.judge.tolerance import BIAS_FALSE_ALARM
 
-CHECK_ORDER = ("nonfinite", "init", "loss", "buffers", "grad", "param", "bias", "replicas", "padding", "trajectory")
+CHECK_ORDER = ("nonfinite", "init", "loss", "buffers", "grad", "clip", "param", "bias", "replicas", "padding",
+               "trajectory")
 BOUNDED = ("grad", "param", "trajectory")  # a worst-case bound or an envelope: honest margins stay below 1 (docs/error_model.md)
 JUDGED = ("grad", "param", "bias", "trajectory")  # the checks with a non-zero tolerance (bias: a sign test)
 
@@ -36,6 +37,7 @@ GRAD_STATISTICS = ("upward", "along_gradient")
 UPDATE_STATISTICS = ("update_upward", "along_update")
 RUN_UPDATE_STATISTICS = ("run_update_upward", "run_along_update")
 ALL_PARAMETERS = "<all parameters>"  # the name of the run-level update counts
+CLIP_NORM = "<clip norm>"  # the name of the clip check's violations (harness/judge/diff.py)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,18 @@ class Violation:
                     f"{self.num_violating} differing elements {BIAS_STATISTICS[self.statistic]} "
                     f"(honest rounding: half, +-{self.tol:.3g} at false-alarm probability {BIAS_FALSE_ALARM:g}); "
                     f"|count - n/2| = {self.abs_diff:.3g} (ratio {self.ratio:.3g})")
+        if self.check == "clip" and self.name != CLIP_NORM:
+            owner = "replicated on every rank" if self.rank is None else f"in rank {self.rank}'s shard"
+            return (f"{cell_id} optimizer={self.optimizer} step={self.step} clip: {where} {owner}: the clipped "
+                    f"gradient {self.actual:.9g} is not the gradient times the coefficient its clip norm gives, "
+                    f"{self.expected:.9g}: |diff|={self.abs_diff:.3g} > tol={self.tol:.3g} (ratio {self.ratio:.3g}, "
+                    f"{self.num_violating} element(s)): the implementation scaled its gradients by another "
+                    f"coefficient (clipped twice, or by another formula)")
+        if self.check == "clip":
+            return (f"{cell_id} optimizer={self.optimizer} step={self.step} clip: rank {self.rank}'s clip norm "
+                    f"{self.actual:.9g} is not the exact gradients' norm {self.expected:.9g}: |diff|={self.abs_diff:.3g} "
+                    f"> tol={self.tol:.3g} (ratio {self.ratio:.3g}): the implementation clipped by another norm than "
+                    f"the unsharded model's (a norm reduced over another group, or of other gradients)")
         if self.lost_gradient:
             return (f"{cell_id} optimizer={self.optimizer} step={self.step} grad: {where}: no gradient, where the "
                     f"plain model has one (expected={self.expected:.9g}, {self.num_violating} element(s)): the "

@@ -16,6 +16,7 @@ trajectory envelope).
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -25,7 +26,8 @@ from cases.case import GROUP_HYPERPARAMETERS, Case, OptimizerSpec
 from cases.data import Batch, batch_size, call_model, local_batch, map_tensors, micro_batches
 from cases.features import DTYPES
 from harness.adapters.features import CastCompute, floating_output
-from harness.judge.tolerance import REORDER_FACTOR, ReductionModel, underflow_error, unit_roundoff
+from harness.judge.tolerance import (REORDER_FACTOR, ReductionModel, clip_coefficient, underflow_error,
+                                     unit_roundoff)
 
 
 def forward_backward(model: nn.Module, loss_fn, inputs, targets, num_micro: int,
@@ -303,12 +305,14 @@ class Shadow:
 
     def step(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
              perturb: torch.Generator | None = None, buffers_before: dict[str, torch.Tensor] | None = None,
-             antithetic: bool = False, reorder: bool = True) -> dict:
+             antithetic: bool = False, reorder: bool = True, clip_norm: float | None = None) -> dict:
         """One step replayed from the cell's parameters (and buffers, when given; else the shadow's
         own) before it; "buffers" in the result are rank 0's after its forward passes.
 
         With `reorder` off the reordered replays are not run: "reorder" is empty and
-        "reorder_later" computes it when a judge needs it (`reorder_allowance`)."""
+        "reorder_later" computes it when a judge needs it (`reorder_allowance`). With `clip_norm`
+        (the norm the cell's clipping computed, finite) the step clips with the coefficient that
+        norm gives, as the cell did ([Note: Clipping judged with the cell's norm], judge/diff.py)."""
         with torch.no_grad():
             for name, p in self.params.items():
                 p.copy_(params_before[name])
@@ -324,7 +328,12 @@ class Shadow:
             self._set_buffers(buffers)  # the per-sample passes moved them
         for name, p in self.params.items():
             p.grad = grads[name].to(p.dtype) if name in grads else None
-        if self.clip is not None:
+        if self.clip is not None and clip_norm is not None and math.isfinite(clip_norm):
+            grads_now = [p.grad for p in self.params.values() if p.grad is not None]
+            if grads_now:
+                coef = clip_coefficient(clip_norm, self.clip[0], grads_now[0].dtype)
+                torch._foreach_mul_(grads_now, coef.to(grads_now[0].device))
+        elif self.clip is not None:
             torch.nn.utils.clip_grad_norm_(list(self.params.values()), *self.clip)
         hyper = self.hyperparameters()  # this step's, before the scheduler moves the learning rate
         self.optim.step()

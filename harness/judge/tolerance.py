@@ -145,11 +145,11 @@ def relative_tolerance_stats(tol: torch.Tensor, value: torch.Tensor) -> tuple[fl
     return ratio.median().item(), ratio.max().item()
 
 
-def clip_coefficient_error(grads: dict[str, torch.Tensor], grad_tols: dict[str, torch.Tensor],
-                           max_norm: float, norm_type: float, u: float) -> tuple[float, float]:
-    """(c, bound on |c_cell - c|) for c = min(1, max_norm / (norm + 1e-6)) as clip_grad_norm_
-    computes it, when the cell's gradients differ by at most `grad_tols` and it evaluates the norm
-    in any order: |norm_cell - norm| <= ||grad_tol||_p + (rounding of the norm itself)."""
+def clip_norm_bound(grads: dict[str, torch.Tensor], grad_tols: dict[str, torch.Tensor], norm_type: float,
+                    u: float) -> tuple[float, float]:
+    """(the norm of `grads`, a bound on |norm_cell - norm|) when the cell's gradients differ by at
+    most `grad_tols` and it evaluates the norm in any order: ||grad_tol||_p + (rounding of the norm
+    itself, the cell's and this one's)."""
     flat = torch.cat([g.double().reshape(-1) for g in grads.values()]) if grads else torch.zeros(0, dtype=torch.float64)
     flat_tol = torch.cat([t.double().reshape(-1) for t in grad_tols.values()]) if grads else torch.zeros(0, dtype=torch.float64)
     if math.isinf(norm_type):
@@ -161,6 +161,28 @@ def clip_coefficient_error(grads: dict[str, torch.Tensor], grad_tols: dict[str, 
         # the root adds one rounding.
         rounding = 2 * (gamma(flat.numel() + 1, u) / norm_type + 2 * u)  # the cell's and the shadow's
         dnorm = flat_tol.pow(norm_type).sum().pow(1 / norm_type).item() + rounding * (norm + flat_tol.abs().sum().item())
+    return norm, dnorm
+
+
+# [Note: Clipping judged with the cell's norm] (harness/judge/diff.py): a clipped gradient element
+# is the gradient times the coefficient its norm gives, within this many units of roundoff of that
+# product: one for the product's own rounding, two for a coefficient computed in another order
+# than torch's max_norm / (norm + 1e-6) (every implementation of the field computes torch's).
+CLIP_COEFFICIENT_ULPS = 3
+
+
+def clip_coefficient(norm: float, max_norm: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The coefficient torch.nn.utils.clip_grad_norm_ multiplies the gradients by when its norm
+    (in the gradients' dtype) is `norm`: min(1, max_norm / (norm + 1e-6)), rounded as it rounds."""
+    return torch.clamp(max_norm / (torch.tensor(norm, dtype=dtype) + 1e-6), max=1.0)
+
+
+def clip_coefficient_error(grads: dict[str, torch.Tensor], grad_tols: dict[str, torch.Tensor],
+                           max_norm: float, norm_type: float, u: float) -> tuple[float, float]:
+    """(c, bound on |c_cell - c|) for c = min(1, max_norm / (norm + 1e-6)) as clip_grad_norm_
+    computes it, when the cell's gradients differ by at most `grad_tols` and it evaluates the norm
+    in any order: |norm_cell - norm| <= ||grad_tol||_p + (rounding of the norm itself)."""
+    norm, dnorm = clip_norm_bound(grads, grad_tols, norm_type, u)
     denom = norm + 1e-6
     coef = max_norm / denom
     if coef >= 1 and max_norm / max(denom - dnorm, 1e-300) >= 1:

@@ -282,9 +282,13 @@ class PlantedAdapter:
         with self.plant.armed():
             return self.adapter.forward_backward(*args)
 
-    def optimizer_step(self, *args):
+    def optimizer_step(self, model, optim, features, after_clip=None):
+        import inspect
+
         with self.plant.armed():
-            return self.adapter.optimizer_step(*args)
+            if after_clip is None or "after_clip" not in inspect.signature(self.adapter.optimizer_step).parameters:
+                return self.adapter.optimizer_step(model, optim, features)
+            return self.adapter.optimizer_step(model, optim, features, after_clip)
 
 
 def planted(adapter, faults: Iterable[str]):

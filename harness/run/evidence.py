@@ -117,6 +117,9 @@ def check_step_evidence(rec: dict, cell: Cell, sizes: dict[str, torch.Size], gra
     _shapes(f"step {step}: parameter", rec["params"], sizes)
     _gradient_names(f"step {step}: gradients", rec.get("grads"), grad_names)
     _shapes(f"step {step}: gradient", rec["grads"], sizes)
+    if rec.get("clipped_grads") is not None:
+        _gradient_names(f"step {step}: clipped gradients", rec["clipped_grads"], grad_names)
+        _shapes(f"step {step}: clipped gradient", rec["clipped_grads"], sizes)
     for key in ("shards", "shard_grads", "padding_intervals", "shadow", "replicas"):
         if not isinstance(rec.get(key), dict):
             raise EvidenceError(f"step {step}: {key} is missing")

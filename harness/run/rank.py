@@ -15,7 +15,7 @@ import gc
 import os
 import signal
 from datetime import timedelta
-from typing import Callable, TypeVar
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -111,13 +111,23 @@ def replica_digests(params: dict[str, torch.Tensor], grads: dict[str, torch.Tens
                        + [digest(grads[n]) if n in grads else NO_GRADIENT_DIGEST for n in grad_names]}
 
 
+class Step(NamedTuple):
+    """What one training step leaves: the local loss, the evidence taken before the optimizer,
+    and the clip norm the implementation computed (None: no clipping, or not reported)."""
+
+    loss: torch.Tensor
+    evidence: object
+    clip_norm: float | None
+    clipped: object = None  # `clipped_evidence()` taken after clipping, before the step (None: not taken)
+
+
 def train_step(adapter: Adapter, model: torch.nn.Module, optim: torch.optim.Optimizer, loss_fn, inputs, targets,
                num_micro: int, features, evidence: Callable[[], T] | None = None,
-               sync_every_micro: bool = False) -> tuple[torch.Tensor, T | None]:
+               sync_every_micro: bool = False, clipped_evidence: Callable[[], object] | None = None) -> Step:
     """One training step through the adapter: zero the gradients, forward and backward over
     `num_micro` micro-batches (gradients synced on the last one only, or on every one with
     `sync_every_micro`), `evidence()` taken after backward and before the optimizer (the averaged
-    gradients), then the optimizer step (clipping included). Returns (local loss, evidence)."""
+    gradients), then the optimizer step (clipping included). Returns (local loss, evidence, clip norm)."""
     adapter.zero_grad(model, optim)
     if num_micro > 1 and sync_every_micro:
         # The wrapped model as it is: every micro-batch syncs (the adapter's own forward_backward
@@ -127,5 +137,20 @@ def train_step(adapter: Adapter, model: torch.nn.Module, optim: torch.optim.Opti
     else:
         loss = adapter.forward_backward(model, loss_fn, inputs, targets, num_micro)
     seen = evidence() if evidence is not None else None
-    adapter.optimizer_step(model, optim, features)
-    return loss, seen
+    clipped = []
+    if clipped_evidence is not None and features.clip_norm_type is not None and _takes_after_clip(adapter):
+        norm = adapter.optimizer_step(model, optim, features, lambda: clipped.append(clipped_evidence()))
+    else:
+        norm = adapter.optimizer_step(model, optim, features)
+    return Step(loss, seen, None if norm is None else float(norm), clipped[0] if clipped else None)
+
+
+def _takes_after_clip(adapter: Adapter) -> bool:
+    """Whether the adapter's optimizer_step takes `after_clip` (the base class's does; an override
+    may not, and then gives no clipped gradients)."""
+    import inspect
+
+    try:
+        return "after_clip" in inspect.signature(adapter.optimizer_step).parameters
+    except (TypeError, ValueError):
+        return False

@@ -20,6 +20,8 @@ accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is 
                 "shard_grads": {key: (W, shard_numel)},
                 "padding_intervals": {key: [[[start, end], ...] per rank]},  # shard-local
                 "layouts": {...},                      # as above, this step's (resharding changes them)
+                "clip_norm": (W,) float64,             # clipping cases: each rank's clip norm (NaN: none)
+                "clipped_grads": {name: tensor},       # clipping cases: full gradients after clipping
                 "replicas": {"names": [param names, then "<name> (grad)"],
                              "digests": (W, len(names)) int64},  # 52-bit digest per rank
                 "buffers": {"values": {...}, "digests": (W, ...)},  # as in init, after the step
@@ -91,6 +93,8 @@ class StepRecord:
     padding_intervals: dict[str, list] = field(default_factory=dict)
     replicas: dict | None = None  # None: full tensors assembled from one set of shards, no replicas
     layouts: dict | None = None  # this step's, when the implementation reports them per step
+    clip_norm: torch.Tensor | None = None  # (W,) float64: each rank's clip norm (NaN: none reported)
+    clipped_grads: dict[str, torch.Tensor] | None = None  # the full gradients after clipping, before the step
 
     def to_dict(self) -> dict:
         out = {"step": self.step, "loss": self.loss, "grads": self.grads, "params": self.params,
@@ -98,6 +102,10 @@ class StepRecord:
                "replicas": self.replicas, "buffers": self.buffers.to_dict(), "shadow": self.shadow}
         if self.layouts is not None:
             out["layouts"] = self.layouts
+        if self.clip_norm is not None:
+            out["clip_norm"] = self.clip_norm
+        if self.clipped_grads is not None:
+            out["clipped_grads"] = self.clipped_grads
         return out
 
 

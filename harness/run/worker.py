@@ -13,6 +13,7 @@ import contextlib
 import functools
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -63,14 +64,17 @@ class StepParts:
     loss: torch.Tensor  # 0-d
     digests: list[int]
     raws: tuple[RawShard, ...]
+    clip_norm: float | None = None  # the norm this rank's clipping computed
 
     @classmethod
-    def take(cls, loss: torch.Tensor, raws: list[RawShard], digests: list[int]) -> StepParts:
+    def take(cls, loss: torch.Tensor, raws: list[RawShard], digests: list[int],
+             clip_norm: float | None = None) -> StepParts:
         def copy(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().clone()
 
         return cls(copy(loss), list(digests),
-                   tuple(RawShard(raw.key, copy(raw.data), copy(raw.grad), tuple(raw.padding_intervals)) for raw in raws))
+                   tuple(RawShard(raw.key, copy(raw.data), copy(raw.grad), tuple(raw.padding_intervals)) for raw in raws),
+                   clip_norm)
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class StepEvidence:
 
     losses: torch.Tensor  # (W,) in the loss's dtype
     digests: torch.Tensor  # (W, len(digests)) int64
+    clip_norms: torch.Tensor  # (W,) float64, NaN where a rank reported none
     shards: dict[str, torch.Tensor]  # key -> (W, shard_numel)
     shard_grads: dict[str, torch.Tensor]  # keys whose gradient every rank has
     padding_intervals: dict[str, list]  # key -> per rank [[start, end), ...]
@@ -119,7 +124,9 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
         at += 2 * num
     send = []  # fp32, bf16 and fp16 values are exact in fp64
     for p, shape in zip(parts, layout):
-        send += [p.loss.double().reshape(1), torch.tensor(p.digests, dtype=torch.float64, device=device)]
+        send += [p.loss.double().reshape(1), torch.tensor([math.nan if p.clip_norm is None else p.clip_norm],
+                                                          dtype=torch.float64, device=device),
+                 torch.tensor(p.digests, dtype=torch.float64, device=device)]
         for raw, (cap, has_grad) in zip(p.raws, shape):
             intervals = list(raw.padding_intervals) + [(0, 0)] * (cap - len(raw.padding_intervals))
             send += [raw.data.double().reshape(-1), torch.tensor(intervals, dtype=torch.float64, device=device).reshape(-1)]
@@ -129,8 +136,9 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
     out, at = [], 0
     for p, shape in zip(parts, layout):
         losses = rows[:, at].to(p.loss.dtype)
-        digests = rows[:, at + 1 : at + 1 + len(p.digests)].long()
-        at += 1 + len(p.digests)
+        clip_norms = rows[:, at + 1].clone()
+        digests = rows[:, at + 2 : at + 2 + len(p.digests)].long()
+        at += 2 + len(p.digests)
         shards, shard_grads, padding_intervals = {}, {}, {}
         for raw, (cap, has_grad) in zip(p.raws, shape):
             n = raw.data.numel()
@@ -141,7 +149,7 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
             if has_grad:
                 shard_grads[raw.key] = rows[:, at : at + n].to(raw.grad.dtype)
                 at += n
-        out.append(StepEvidence(losses, digests, shards, shard_grads, padding_intervals))
+        out.append(StepEvidence(losses, digests, clip_norms, shards, shard_grads, padding_intervals))
     if at != rows.shape[1]:
         raise RuntimeError(f"rank {ctx.rank}: gathered {rows.shape[1]} evidence values per rank, read {at}")
     return out
@@ -254,7 +262,7 @@ class LockStepReference:
         case, ctx, adapter, wrapped = self.case, self.ctx, self.adapter, self.wrapped
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = map_tensors(lambda t: t.to(ctx.device), local_batch(batch, "identical", 0, 1))
-        loss, grads = train_step(adapter, wrapped, self.optim, case.loss_fn, inputs, targets, case.features.grad_accum,
+        loss, grads, *_ = train_step(adapter, wrapped, self.optim, case.loss_fn, inputs, targets, case.features.grad_accum,
                                  case.features,
                                  lambda: pick_grads(adapter.full_grads(wrapped), self.grad_names, self.known_names,
                                                     f"impl={REFERENCE_IMPL} full_grads"))
@@ -332,9 +340,11 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = map_tensors(lambda t: t.to(ctx.device),
                                       local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size))
-        loss, grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, features.grad_accum, features,
-                                 lambda: pick_grads(adapter.full_grads(wrapped), grad_names, known_names,
-                                                    f"rank {ctx.rank}: impl={cell.impl} full_grads"))
+        full_grads = lambda: pick_grads(adapter.full_grads(wrapped), grad_names, known_names,  # noqa: E731
+                                        f"rank {ctx.rank}: impl={cell.impl} full_grads")
+        loss, grads, clip_norm, clipped_grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets,
+                                                           features.grad_accum, features, full_grads,
+                                                           clipped_evidence=full_grads)
         if scheduler is not None:
             scheduler.step()
         params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
@@ -346,13 +356,15 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         pending_digests = []
         record = {}
         if shadow is not None:
-            record = {"grads": grads, "params": params, "buffers": buffers, "replica_names": replicas["names"],
+            record = {"grads": grads, "clipped_grads": clipped_grads, "params": params, "buffers": buffers,
+                      "replica_names": replicas["names"],
                       # judged here: the reordered replays only where the judge needs them
                       "shadow": shadow.step(params_before, batch, cell.data_mode, ctx.world_size,
-                                            buffers_before=buffers_before, reorder=judge is None),
+                                            buffers_before=buffers_before, reorder=judge is None,
+                                            clip_norm=clip_norm),
                       "layouts": adapter.layouts(wrapped)}
-        pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests), len(replicas["names"]),
-                        record))
+        pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests, clip_norm),
+                        len(replicas["names"]), record))
         params_before, buffers_before = params, buffers
         if len(pending) == per_gather or step == cell.steps:
             gathered = gather_evidence([parts for _, parts, _, _ in pending], ctx)
@@ -368,7 +380,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                         taken, ev.losses, record["grads"], record["params"], Buffers(record["buffers"], buffer_digests),
                         record["shadow"], ev.shards, ev.shard_grads, ev.padding_intervals,
                         {"names": record["replica_names"], "digests": ev.digests[:, :num_replicas]},
-                        record["layouts"])
+                        record["layouts"], ev.clip_norms if features.clip_norm_type is not None else None,
+                        record["clipped_grads"])
                     if judge is None:
                         steps.append(rec)
                     else:  # judged now, and let go
