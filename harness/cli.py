@@ -79,7 +79,7 @@ def _add_matrix_args(p: argparse.ArgumentParser, *, cases, impls, world_sizes, d
     p.add_argument("--judge-on", default="auto", choices=("auto", "ranks", "parent"),
                    help="where each cell is judged: ranks (its own rank 0, as the evidence is taken: the parent gets "
                         "results, never a copy of the model), parent (from snapshots), auto (ranks for models of "
-                        "2^20 parameters or more; default)")
+                        "2^20 parameters or more, unless --keep-evidence asks for the snapshots; default)")
     p.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted impl/ bugs, for tests
     # for tests: besides every cell, one copy of it per listed fault (a battery of planted bugs, one launch)
     p.add_argument("--fault-copies", default="", help=argparse.SUPPRESS)
@@ -167,8 +167,15 @@ def _plan_from_args(args):
         device=args.device,
         threads=args.threads,
         launch_per_cell=args.launch_per_cell,
-        judge_on=getattr(args, "judge_on", "auto"),
+        judge_on=_judge_on(args),
     )
+
+
+def _judge_on(args) -> str:
+    """--judge-on, where `auto` with --keep-evidence means the parent: the evidence asked for is the
+    snapshots, which a cell judged on its ranks does not write."""
+    judge_on = getattr(args, "judge_on", "auto")
+    return "parent" if judge_on == "auto" and getattr(args, "keep_evidence", False) else judge_on
 
 
 RUN_GENERATED = ("snapshots", "logs", "init")  # what a run writes besides its report set (plan.py dirs)

@@ -105,3 +105,16 @@ def test_a_judged_cell_leaves_a_small_record_and_no_snapshot(both):
             record = load_judged(path)
             assert record["run_id"] == plan.run_id and record["steps"] == [1, 2, 3]
             assert (record["envelopes"] is not None) == cell.is_reference
+
+
+def test_auto_judges_big_models_on_the_ranks_unless_the_snapshots_are_asked_for(monkeypatch, tmp_path):
+    from harness import cli
+    from harness.run import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "JUDGE_ON_RANKS_FROM", 5000)  # mlp (1017) below it, transformer (9648) above
+    args = ["run", "--cases", "mlp,transformer", "--impls", "ours", "--world-sizes", "2", "--out", str(tmp_path / "o")]
+    assert cli._plan_from_args(cli.build_parser().parse_args(args)).judged_on_ranks == ("transformer",)
+    kept = cli._plan_from_args(cli.build_parser().parse_args(args + ["--keep-evidence"]))
+    assert kept.judged_on_ranks == ()
+    forced = cli._plan_from_args(cli.build_parser().parse_args(args + ["--keep-evidence", "--judge-on", "ranks"]))
+    assert forced.judged_on_ranks == ("mlp", "transformer")
