@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from harness.judge.result import first_of
 from harness.judge.verdict import evaluate
 from harness.run.orchestrate import run_plan
 from harness.run.plan import build_plan
@@ -50,6 +51,12 @@ def test_every_verdict_margin_and_violation_is_the_parents(both):
     _assert_same_results(parent, ranks)
     failing = [r for r in ranks.values() if str(r.verdict) == "fail"]
     assert {v.check for r in failing for v in r.violations} >= {"grad", "param", "padding", "trajectory"}
+    # the evidence around a failing element travels in the record: the report shows it
+    scaled = ranks["mlp.ours.w2.split.grad_scale_1e-5"]
+    hood, first = next((o.neighbourhood, first_of(o.violations)) for o in scaled.optimizers.values() if o.neighbourhood)
+    assert (hood["step"], hood["check"], hood["name"], hood["index"]) == (first.step, first.check, first.name, first.index)
+    at = hood["index"] - hood["start"]
+    assert hood["rows"]["grad"][at] == first.actual and hood["rows"]["replay grad"][at] == first.expected
 
 
 def test_an_honest_reordering_is_judged_as_the_parent_judges_it(tmp_path_factory):
@@ -76,7 +83,7 @@ def _assert_same_results(parent: dict, ranks: dict) -> None:
             ro = r.optimizers[kind]
             assert [v.to_json() for v in ro.violations] == [v.to_json() for v in po.violations], (cell_id, kind)
             assert all(_same(ro.margins[c], po.margins[c]) for c in po.margins), (cell_id, kind, ro.margins, po.margins)
-            for field in ("checks", "step_checks", "per_step", "losses", "trajectory", "stopped_after"):
+            for field in ("checks", "step_checks", "per_step", "losses", "trajectory", "stopped_after", "neighbourhood"):
                 assert repr(getattr(ro, field)) == repr(getattr(po, field)), (cell_id, kind, field)
 
 

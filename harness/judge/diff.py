@@ -33,7 +33,7 @@ from cases.catalog import Case, get_case
 from cases.features import DTYPES
 from harness.judge.layouts import first_bit_difference
 from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, CLIP_NORM, GRAD_STATISTICS, RUN_UPDATE_STATISTICS,
-                                  UPDATE_STATISTICS, Judgement, Violation, nan_max)
+                                  UPDATE_STATISTICS, Judgement, Violation, first_of, nan_max)
 from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, sign_counts
 from harness.run.snapshot import digest
 from harness.judge.tolerance import (CHUNK_ELEMENTS, CLIP_COEFFICIENT_ULPS, MAX_MEDIAN_RELATIVE_TOLERANCE,
@@ -352,6 +352,9 @@ class OptimizerResult(Judgement):
     step_checks: list[dict] = field(default_factory=list)  # per step and check: margin, |diff|, tol
     losses: list[dict] = field(default_factory=list)  # per step: mean loss of cell, replay, reference
     stopped_after: int | None = None  # the last step judged when the cell went non-finite earlier
+    # The evidence around the first element found beyond its tolerance, at its step: the cell's and
+    # the replay's values of that parameter's neighbouring elements (`neighbourhood`), for the report.
+    neighbourhood: dict | None = None
     # error (Judgement): the cell cannot be verified (precision too low to judge)
 
 
@@ -898,6 +901,8 @@ class CellJudge:
         # trajectory: the free-running cell vs the free-running reference (judged in `finish`)
         if ref_rec is not None:
             self.take_trajectory(step, rec, ref_rec, step_layouts)
+        if self.result.neighbourhood is None and viol:
+            self.result.neighbourhood = neighbourhood(first_of(viol), step, rec)
         return True
 
     def take_trajectory(self, step: int, rec: dict, ref_rec: dict, step_layouts: dict) -> None:
@@ -939,6 +944,28 @@ class CellJudge:
         return result
 
 
+NEIGHBOURS = 4  # elements kept on each side of the first divergence's
+
+
+def neighbourhood(first: Violation, step: int, rec: dict) -> dict | None:
+    """The first divergence's parameter around its element at `step`: the cell's and the replay's
+    gradients and parameters (and the clipped gradients, where taken), NEIGHBOURS elements on each
+    side of it, flat indices; None where the violation names no element of a parameter."""
+    name, index = first.name, first.index
+    if first.step != step or index is None or name not in rec["params"]:
+        return None
+    shadow = rec["shadow"]
+    sources = {"grad": rec["grads"].get(name), "replay grad": shadow["grads"].get(name),
+               "param": rec["params"][name], "replay param": shadow["params"].get(name)}
+    if rec.get("clipped_grads") is not None:
+        sources["clipped grad"] = rec["clipped_grads"].get(name)
+    start = max(0, index - NEIGHBOURS)
+    rows = {label: t.detach().reshape(-1)[start:index + NEIGHBOURS + 1].double().tolist()
+            for label, t in sources.items() if t is not None}
+    return {"optimizer": first.optimizer, "step": step, "check": first.check, "name": name, "index": index,
+            "start": start, "rows": rows}
+
+
 def complete_trajectory(result: OptimizerResult, deviations: list[TrajectoryDeviation],
                         envelopes: list[dict[str, torch.Tensor]]) -> None:
     """Judge a result's trajectory deviations (one per step taken) against the reference's
@@ -966,7 +993,8 @@ def result_to_record(result: OptimizerResult) -> dict:
     return {"optimizer": result.optimizer, "violations": [asdict(v) for v in result.violations],
             "margins": result.margins, "checks": result.checks, "error": result.error,
             "trajectory": {q: asdict(d) for q, d in result.trajectory.items()}, "per_step": result.per_step,
-            "step_checks": result.step_checks, "losses": result.losses, "stopped_after": result.stopped_after}
+            "step_checks": result.step_checks, "losses": result.losses, "stopped_after": result.stopped_after,
+            "neighbourhood": result.neighbourhood}
 
 
 def result_from_record(d: dict) -> OptimizerResult:
@@ -975,7 +1003,7 @@ def result_from_record(d: dict) -> OptimizerResult:
     return OptimizerResult(d["optimizer"], violations=violations, margins=dict(d["margins"]), checks=d["checks"],
                            error=d["error"], trajectory={q: DiffStats(**s) for q, s in d["trajectory"].items()},
                            per_step=list(d["per_step"]), step_checks=list(d["step_checks"]), losses=list(d["losses"]),
-                           stopped_after=d["stopped_after"])
+                           stopped_after=d["stopped_after"], neighbourhood=d.get("neighbourhood"))
 
 
 def _leaves_reduction_bound(step_bounds: StepBounds, shadow: dict, names: list[str], actual: torch.Tensor,

@@ -31,6 +31,25 @@ def _verdict_rows(report: Report) -> list[dict]:
     return rows
 
 
+def _neighbourhood_lines(r) -> list[str]:
+    """The evidence around the first element a per-step check found beyond its tolerance (the
+    judge's `neighbourhood`), as an indented table: one row per flat index, the element marked."""
+    hood = next((o.neighbourhood for o in r.optimizers.values() if o.neighbourhood), None)
+    if hood is None:
+        return []
+    labels = list(hood["rows"])
+    lines = [f"  - around it: optimizer={hood['optimizer']} step={hood['step']} {hood['check']} "
+             f"'{hood['name']}', flat indices from {hood['start']} (the element marked):", "",
+             "    | index | " + " | ".join(labels) + " |", "    | --- |" + " --- |" * len(labels)]
+    width = max(len(v) for v in hood["rows"].values())
+    for k in range(width):
+        index = hood["start"] + k
+        mark = f"**{index}**" if index == hood["index"] else str(index)
+        cells = [f"{vals[k]:.9g}" if k < len(vals) else "" for vals in hood["rows"].values()]
+        lines.append(f"    | {mark} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def render_markdown(report: Report) -> str:
     counts = verdict_counts(report)
     env = report.environment
@@ -62,6 +81,7 @@ def render_markdown(report: Report) -> str:
             out.append(f"- {r.first_divergence.describe(r.cell.cell_id)}")
             for v in r.violations[1:4]:
                 out.append(f"  - then: {v.describe(r.cell.cell_id)}")
+            out.extend(_neighbourhood_lines(r))
         out.append("")
     else:
         out.append("(none: no cell diverged)\n")
