@@ -59,6 +59,18 @@ def test_every_verdict_margin_and_violation_is_the_parents(both):
     assert hood["rows"]["grad"][at] == first.actual and hood["rows"]["replay grad"][at] == first.expected
 
 
+def test_a_reference_whose_team_shares_its_perturbed_runs_is_judged_as_the_parent_judges_it(tmp_path_factory):
+    """The smallest world size 2: the reference cell runs in a team of two, whose rank 1 steps the
+    second perturbed run (and its own lock-step reference) beside rank 0; the merged envelope, hence
+    every trajectory margin, is the parent's bit for bit."""
+    tmp = tmp_path_factory.mktemp("judged_shared_envelope")
+    args = dict(cases=("mlp",), world_sizes=(2,), steps=3, fault_copies=("grad_scale_1e-6",))
+    (_, parent, _), (_, ranks, _) = _run(tmp, "parent", **args), _run(tmp, "ranks", **args)
+    _assert_same_results(parent, ranks)
+    assert all(o.checks["trajectory"]["elements"] > 0 for r in ranks.values() if not r.cell.is_reference
+               for o in r.optimizers.values())
+
+
 def test_an_honest_reordering_is_judged_as_the_parent_judges_it(tmp_path_factory):
     """torch FSDP2 on T5 reorders its local backward from step 1 ([Note: Reordered accumulation]):
     judged on the rank, the replay runs its reordered replays only when the judge needs them

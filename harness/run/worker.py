@@ -32,12 +32,13 @@ from harness.adapters.features import apply_activation_checkpointing
 from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
+from harness.judge.diff import trajectory_envelope
 from harness.run.judged import RankJudge
 from harness.run.plan import REFERENCE_IMPL, Cell
 from harness.run.rank import pick_evidence, pick_grads, rank_epilogue, rank_prologue, replica_digests, train_step
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
-from harness.run.snapshot import (Buffers, Snapshot, StepRecord, build_init, complete_path, digest, judged_path,
-                                  load_init, state_digest,
+from harness.run.snapshot import (Buffers, Snapshot, StepRecord, build_init, complete_path, decode, digest, encode,
+                                  judged_path, load_init, state_digest,
                                   save_judged, save_snapshot, snapshot_path, started_path, write_atomic_text)
 from harness.judge.tolerance import NUM_PERTURBED_RUNS
 
@@ -289,9 +290,12 @@ def _cpu_record(obj):
 
 def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], world: RankContext,
              scratch_dir: Path, init_buffers: dict[str, torch.Tensor] | None = None,
-             judge_here: bool = False, run_id: str = "", init_digest: str | None = None) -> dict | None:
+             judge_here: bool = False, run_id: str = "", init_digest: str | None = None,
+             team_size: int = 1) -> dict | None:
     """Train one (cell, optimizer) and return rank 0's snapshot (None on the other ranks), or with
-    `judge_here` its judged record ([Note: Judged where the evidence lives] in harness/run/judged.py)."""
+    `judge_here` its judged record ([Note: Judged where the evidence lives] in harness/run/judged.py).
+    A reference cell judged here steps the perturbed runs of its seeds (`perturbed_seeds`, its
+    team of `team_size` ranks shares them); the other ranks' envelopes are merged in by the caller."""
     case = get_case(cell.case)
     features = case.features
     adapter: Adapter = dist_faults.planted(resolve_impl(cell.impl), cell.faults)  # collective faults, if any
@@ -322,8 +326,9 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         reference = perturbed = None
         if cell.is_reference:
             runs = [PerturbedRun(case, spec, init_state, seed, ctx.device, init_buffers)
-                    for seed in range(1, NUM_PERTURBED_RUNS + 1)]
-            perturbed = lambda step: [run.step(step) for run in runs]  # noqa: E731
+                    for seed in perturbed_seeds(0, team_size)]
+            def perturbed(step, runs=runs):
+                return [run.step(step) for run in runs]
         else:
             reference = LockStepReference(cell, spec, init_state, init_buffers, ctx.device).step
         judge = RankJudge(cell, spec, case, header, plain, init_state, init_buffers, reference, perturbed)
@@ -340,8 +345,10 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = map_tensors(lambda t: t.to(ctx.device),
                                       local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size))
-        full_grads = lambda: pick_grads(adapter.full_grads(wrapped), grad_names, known_names,  # noqa: E731
-                                        f"rank {ctx.rank}: impl={cell.impl} full_grads")
+        def full_grads(wrapped=wrapped):
+            return pick_grads(adapter.full_grads(wrapped), grad_names, known_names,
+                              f"rank {ctx.rank}: impl={cell.impl} full_grads")
+
         loss, grads, clip_norm, clipped_grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets,
                                                            features.grad_accum, features, full_grads,
                                                            clipped_evidence=full_grads)
@@ -405,6 +412,35 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     return Snapshot(cell.to_json(), spec.kind, ctx.world_size, layouts,
                     {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
                     init_params, Buffers(init_bufs, init_buffer_digests), steps, perturbed).to_dict()
+
+
+def perturbed_seeds(rank: int, team_size: int) -> list[int]:
+    """The perturbed runs (seeds 1..NUM_PERTURBED_RUNS) rank `rank` of a reference cell's team
+    steps when the cell is judged on the ranks: one after another round the team, so a team of
+    two runs them side by side instead of rank 0 alone."""
+    return [seed for seed in range(1, NUM_PERTURBED_RUNS + 1) if (seed - 1) % team_size == rank]
+
+
+def perturbed_envelopes(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
+                        init_buffers: dict[str, torch.Tensor], device: torch.device,
+                        seeds: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Per step, the envelope of the perturbed runs of `seeds` around the reference (impl=single,
+    W = 1, trained here step by step: the reference cell's own steps, bit for bit), as a reference
+    cell's rank 0 computes it for its own seeds; the max of the two is the envelope of all."""
+    case = get_case(cell.case)
+    reference = LockStepReference(cell, spec, init_state, init_buffers, device)
+    runs = [PerturbedRun(case, spec, init_state, seed, device, init_buffers) for seed in seeds]
+    return [trajectory_envelope(reference.step(step)["params"], [run.step(step) for run in runs])
+            for step in range(1, cell.steps + 1)]
+
+
+def merge_envelopes(mine: list[dict[str, torch.Tensor]], theirs: list[dict[str, torch.Tensor]]
+                    ) -> list[dict[str, torch.Tensor]]:
+    """The elementwise max of two teams' envelopes, step by step (NaN kept, as the max over the runs
+    of one process keeps it)."""
+    if len(mine) != len(theirs) or any(set(a) != set(b) for a, b in zip(mine, theirs)):
+        raise RuntimeError(f"perturbed envelopes of {len(theirs)} steps from another rank, {len(mine)} here")
+    return [{n: torch.maximum(a[n], b[n]) for n in a} for a, b in zip(mine, theirs)]
 
 
 class PerturbedRun:
@@ -572,11 +608,25 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
     else:
         init_state, init_buffers = load_init(init_dir / f"{case.name}.pt", run_id)
     start = time.perf_counter()
-    # a single-process cell (the reference) runs on its team's rank 0 alone
+    # a single-process cell (the reference) runs on its team's rank 0 alone; judged on the ranks,
+    # the team's other ranks step its perturbed runs beside it
     runs_here = resolve_impl(cell.impl).needs_process_group or ctx.rank == 0
+    shares = judge_here and cell.is_reference
+    perturbed_store = dist.PrefixStore(f"harness/perturbed/{cell.cell_id}", _launch_store()) if shares else None
+    if shares and not runs_here and perturbed_seeds(ctx.rank, ctx.world_size):
+        for spec in case.optimizers:
+            envelopes = perturbed_envelopes(cell, spec, init_state, init_buffers, ctx.device,
+                                            perturbed_seeds(ctx.rank, ctx.world_size))
+            perturbed_store.set(f"{spec.kind}/{ctx.rank}", encode(envelopes))
     for spec in case.optimizers if runs_here else ():
         snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers, judge_here, run_id,
-                            init_digest)
+                            init_digest, ctx.world_size if shares else 1)
+        if snapshot is not None and shares and snapshot["envelopes"] is not None and snapshot["error"] is None:
+            for rank in range(1, ctx.world_size):
+                if perturbed_seeds(rank, ctx.world_size):
+                    perturbed_store.wait([f"{spec.kind}/{rank}"], SEGMENT_WAIT)
+                    theirs = decode(perturbed_store.get(f"{spec.kind}/{rank}"))
+                    snapshot["envelopes"] = merge_envelopes(snapshot["envelopes"], theirs)
         if snapshot is not None and judge_here:
             save_judged(judged_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
         elif snapshot is not None:
