@@ -172,10 +172,12 @@ def _plan_from_args(args):
 
 
 def _judge_on(args) -> str:
-    """--judge-on, where `auto` with --keep-evidence means the parent: the evidence asked for is the
-    snapshots, which a cell judged on its ranks does not write."""
+    """--judge-on, where `auto` with --keep-evidence or --baseline means the parent: the evidence
+    asked for is the snapshots, which a cell judged on its ranks does not write."""
     judge_on = getattr(args, "judge_on", "auto")
-    return "parent" if judge_on == "auto" and getattr(args, "keep_evidence", False) else judge_on
+    # A baseline is recorded from, and checked against, the reference cells' snapshots.
+    wants_snapshots = getattr(args, "keep_evidence", False) or getattr(args, "baseline", None)
+    return "parent" if judge_on == "auto" and wants_snapshots else judge_on
 
 
 RUN_GENERATED = ("snapshots", "logs", "init")  # what a run writes besides its report set (plan.py dirs)
@@ -296,7 +298,7 @@ def cmd_baseline_record(args) -> int:
     plan = reference_plan(build_plan(cases=parse_csv(args.cases, "cases"), impls=("single",), world_sizes=(1,),
                                      data_modes=("identical",), steps=args.steps, timeout_s=args.timeout,
                                      out_dir=_out_dir(args.work_dir, "--work-dir"), threads=args.threads,
-                                     backend=args.backend, device=args.device))
+                                     backend=args.backend, device=args.device, judge_on="parent"))
     check_record_target(Path(args.out))  # an unwritable --out is refused before the reference runs
     with OutputDir(plan.out_dir, plan.run_id, RUN_GENERATED, flag="--work-dir"):
         outcome = run_plan(plan, None if args.quiet else Progress(plan))
