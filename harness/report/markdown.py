@@ -125,7 +125,9 @@ def render_markdown(report: Report) -> str:
     out.append("Max abs diff over all steps of losses, gradients and parameters between the runs at two "
                "world sizes (`ref` = impl=single at W = 1). Informational, with no tolerance of its own: the "
                "free-running trajectories may drift by amplified rounding (AdamW); the verdict comes from the "
-               "per-step checks and the trajectory bound above.\n")
+               "per-step checks and the trajectory bound above. n/a: no evidence for one of the two, or two "
+               "cells judged on their own ranks (big models, `--judge-on`) whose trajectories differ: their "
+               "distance from `ref` is exact, from each other only known where bitwise equal.\n")
     for m in report.matrices:
         out.append(f"### {m.case} / {m.impl} / {m.data_mode} / {m.optimizer}\n")
         rows = [{"W": a, **{b: fmt_value(v) for b, v in zip(m.labels, vals)}} for a, vals in zip(m.labels, m.values)]
