@@ -322,6 +322,12 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
               "padding": {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
               "init_order": names, "init_digest": init_digest}
     judge = None
+    # A cell judged here trains its lock-step reference on the team's rank 1, beside rank 0's
+    # replay, which receives each step's record before the step's evidence is gathered.
+    reference_rank = 1 if judge_here and not cell.is_reference and ctx.world_size > 1 and ctx.group else 0
+    references: dict[int, dict] = {}
+    helper = (LockStepReference(cell, spec, init_state, init_buffers, ctx.device)
+              if reference_rank and ctx.rank == reference_rank else None)
     if is_writer and judge_here:
         reference = perturbed = None
         if cell.is_reference:
@@ -329,6 +335,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                     for seed in perturbed_seeds(0, team_size)]
             def perturbed(step, runs=runs):
                 return [run.step(step) for run in runs]
+        elif reference_rank:
+            reference = references.pop
         else:
             reference = LockStepReference(cell, spec, init_state, init_buffers, ctx.device).step
         judge = RankJudge(cell, spec, case, header, plain, init_state, init_buffers, reference, perturbed)
@@ -370,6 +378,13 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                                             buffers_before=buffers_before, reorder=judge is None,
                                             clip_norm=clip_norm),
                       "layouts": adapter.layouts(wrapped)}
+        if helper is not None:
+            dist.send_object_list([helper.step(step)], dst=0, group=ctx.group)
+        elif judge is not None and reference_rank:
+            box = [None]
+            dist.recv_object_list(box, src=reference_rank, group=ctx.group)
+            if judge.error is None:  # a judge that stopped takes no more steps
+                references[step] = box[0]
         pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests, clip_norm),
                         len(replicas["names"]), record))
         params_before, buffers_before = params, buffers
