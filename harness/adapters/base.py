@@ -116,6 +116,17 @@ class RankContext:
     faults: frozenset[str] = field(default_factory=frozenset)  # planted faults (impl=ours only)
 
 
+def takes_after_clip(adapter) -> bool:
+    """Whether the adapter's optimizer_step takes `after_clip` (the base class's does; an override
+    may not, and then gives no clipped gradients)."""
+    import inspect
+
+    try:
+        return "after_clip" in inspect.signature(adapter.optimizer_step).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def norm_value(norm) -> float | None:
     """A clip norm as a float: a tensor's value (a DTensor's whole value), None as None."""
     if norm is None:

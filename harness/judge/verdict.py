@@ -123,6 +123,12 @@ def _trajectory(snap: dict, order: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([trajectory_row(rec, order, split) for rec in snap["steps"]])
 
 
+def _no_reference(cell: Cell, ref_cell: Cell, kind: str) -> CellResult:
+    return CellResult(cell, Verdict.ERROR, error=(
+        f"optimizer={kind}: the reference {ref_cell.cell_id} left no usable evidence (see its row), so the "
+        f"trajectory check cannot run: no verdict"))
+
+
 def _add_gathered_mismatches(opt, kind: str, mismatches) -> None:
     """A full parameter that differs from the raw shards its valid layout names fails the cell:
     the implementation's gathered state contradicts its own shards ([Note: Layout validation])."""
@@ -244,9 +250,7 @@ class Judge:
             if not cell.is_reference:
                 ref = records.get((ref_cell.cell_id, kind))
                 if ref is None:
-                    return CellResult(cell, Verdict.ERROR, error=(
-                        f"optimizer={kind}: the reference {ref_cell.cell_id} left no usable evidence (see its row), "
-                        f"so the trajectory check cannot run: no verdict")), None
+                    return _no_reference(cell, ref_cell, kind), None
                 if ref["init_digest"] != record["init_digest"]:
                     return CellResult(cell, Verdict.ERROR, error=(
                         f"the case's build_model() built another initial state for this cell than for the reference "
@@ -296,9 +300,7 @@ class Judge:
         for kind, snap in loaded.items():
             ref = snapshots.get((ref_cell.cell_id, kind))
             if ref is None and not cell.is_reference:
-                return CellResult(cell, Verdict.ERROR, error=(
-                    f"optimizer={kind}: the reference {ref_cell.cell_id} left no usable evidence (see its row), so "
-                    f"the trajectory check cannot run: no verdict")), None
+                return _no_reference(cell, ref_cell, kind), None
             try:
                 opt = check_snapshot(snap, {n: init_state[n] for n in snap["init"]["params"]}, ref,
                                      init_buffers=init_buffers)

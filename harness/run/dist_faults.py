@@ -283,10 +283,10 @@ class PlantedAdapter:
             return self.adapter.forward_backward(*args)
 
     def optimizer_step(self, model, optim, features, after_clip=None):
-        import inspect
+        from harness.adapters.base import takes_after_clip
 
         with self.plant.armed():
-            if after_clip is None or "after_clip" not in inspect.signature(self.adapter.optimizer_step).parameters:
+            if after_clip is None or not takes_after_clip(self.adapter):
                 return self.adapter.optimizer_step(model, optim, features)
             return self.adapter.optimizer_step(model, optim, features, after_clip)
 

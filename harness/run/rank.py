@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from harness.adapters.base import Adapter, RankContext
+from harness.adapters.base import Adapter, RankContext, takes_after_clip
 from harness.judge.shadow import forward_backward
 from harness.run import dist_faults, lifeline
 from harness.run.snapshot import digest
@@ -138,19 +138,8 @@ def train_step(adapter: Adapter, model: torch.nn.Module, optim: torch.optim.Opti
         loss = adapter.forward_backward(model, loss_fn, inputs, targets, num_micro)
     seen = evidence() if evidence is not None else None
     clipped = []
-    if clipped_evidence is not None and features.clip_norm_type is not None and _takes_after_clip(adapter):
+    if clipped_evidence is not None and features.clip_norm_type is not None and takes_after_clip(adapter):
         norm = adapter.optimizer_step(model, optim, features, lambda: clipped.append(clipped_evidence()))
     else:
         norm = adapter.optimizer_step(model, optim, features)
     return Step(loss, seen, None if norm is None else float(norm), clipped[0] if clipped else None)
-
-
-def _takes_after_clip(adapter: Adapter) -> bool:
-    """Whether the adapter's optimizer_step takes `after_clip` (the base class's does; an override
-    may not, and then gives no clipped gradients)."""
-    import inspect
-
-    try:
-        return "after_clip" in inspect.signature(adapter.optimizer_step).parameters
-    except (TypeError, ValueError):
-        return False

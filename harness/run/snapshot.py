@@ -152,19 +152,11 @@ def judged_path(snapshot_dir: Path, cell_id: str, optimizer: str) -> Path:
 
 
 def save_judged(path: Path, record: dict) -> None:
-    assert record.get("format") == JUDGED_FORMAT
-    packed = {"format": JUDGED_FORMAT, **_pack(record)}
-    write_atomic_bytes(path, lambda f: torch.save(packed, f))
+    save_snapshot(path, record, JUDGED_FORMAT)
 
 
 def load_judged(path: Path) -> dict:
-    packed = torch.load(path, weights_only=True, map_location="cpu")
-    if not isinstance(packed, dict) or packed.get("format") != JUDGED_FORMAT:
-        raise ValueError(f"{path}: not a {JUDGED_FORMAT} record")
-    record = _unpack(packed)
-    if not isinstance(record, dict) or record.get("format") != JUDGED_FORMAT:
-        raise ValueError(f"{path}: not a {JUDGED_FORMAT} record")
-    return record
+    return load_snapshot(path, JUDGED_FORMAT)
 
 
 def started_path(snapshot_dir: Path, cell_id: str) -> Path:
@@ -289,19 +281,20 @@ def decode(raw: bytes):
     return _unpack(torch.load(io.BytesIO(raw), weights_only=True))
 
 
-def save_snapshot(path: Path, snapshot: dict) -> None:
-    assert snapshot.get("format") == FORMAT
-    packed = {"format": FORMAT, **_pack(snapshot)}
+def save_snapshot(path: Path, snapshot: dict, fmt: str = FORMAT) -> None:
+    """Write `snapshot` (its "format" is `fmt`: a snapshot, or a judged record) in the encoding above."""
+    assert snapshot.get("format") == fmt
+    packed = {"format": fmt, **_pack(snapshot)}
     write_atomic_bytes(path, lambda f: torch.save(packed, f))
 
 
-def load_snapshot(path: Path) -> dict:
+def load_snapshot(path: Path, fmt: str = FORMAT) -> dict:
     packed = torch.load(path, weights_only=True, map_location="cpu")
-    if not isinstance(packed, dict) or packed.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a {FORMAT} snapshot (format={packed.get('format') if isinstance(packed, dict) else type(packed).__name__})")
+    if not isinstance(packed, dict) or packed.get("format") != fmt:
+        raise ValueError(f"{path}: not a {fmt} snapshot (format={packed.get('format') if isinstance(packed, dict) else type(packed).__name__})")
     snapshot = _unpack(packed)
-    if not isinstance(snapshot, dict) or snapshot.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a {FORMAT} snapshot (its contents say format="
+    if not isinstance(snapshot, dict) or snapshot.get("format") != fmt:
+        raise ValueError(f"{path}: not a {fmt} snapshot (its contents say format="
                          f"{snapshot.get('format') if isinstance(snapshot, dict) else type(snapshot).__name__})")
     return snapshot
 
