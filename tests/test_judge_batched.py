@@ -1,7 +1,8 @@
 """The batched judge ([Note: Batched checks], harness/judge/segments.py) returns what the judge
 returned one tensor at a time (tests/judge_reference.py): the same violations in the same order
 (element, ratio, num_violating), margins, check summaries, per-step worst elements, losses and
-trajectory statistics, or the same exception (fast tier, one process).
+trajectory statistics, or the same exception (fast tier, one process), with its segmented reductions
+batched and per tensor.
 
 Evidence: real W = 1 runs through impl=ours of catalog cases that between them have padding,
 frozen parameters, tied parameters, clipping (2-norm and inf-norm) and bf16 parameters, under both
@@ -23,6 +24,7 @@ import judge_reference
 from cases.catalog import get_case
 from harness.adapters import RankContext
 from harness.judge.diff import check_snapshot
+from harness.judge import segments
 from harness.judge.segments import Segments, judge_segments
 from harness.run.orchestrate import write_init_states
 from harness.run.plan import build_plan
@@ -48,6 +50,15 @@ def evidence(request, tmp_path_factory):
     ref = run_cell(ref_cell, spec, init, ctx, out / "scratch")
     snap = run_cell(cell, spec, init, ctx, out / "scratch")
     return snap, ref, init
+
+
+@pytest.fixture(autouse=True, params=("batched", "per_tensor"))
+def reductions(request, monkeypatch):
+    """Every test with the segmented reductions in both forms (harness/judge/segments.py
+    PER_TENSOR_FROM): batched as for the catalog's small models, per tensor as for a large one."""
+    if request.param == "per_tensor":
+        monkeypatch.setattr(segments, "PER_TENSOR_FROM", 0)
+    return request.param
 
 
 def _outcome(judge, snap, init, ref) -> str:

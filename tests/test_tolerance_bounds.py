@@ -236,7 +236,7 @@ def reference_runs():
     perturbed run with another noise seed: an honest trajectory of the same noise amplitude."""
     from harness.adapters import RankContext
     from harness.run.plan import Cell
-    from harness.run.worker import perturbed_run, run_cell
+    from harness.run.worker import perturbed_runs, run_cell
 
     case = get_case("mlp")
     init = {n: t.detach().clone() for n, t in case.build_model().state_dict().items()}
@@ -244,7 +244,8 @@ def reference_runs():
     out = {}
     for spec in case.optimizers:
         ref = run_cell(ref_cell, spec, init, RankContext(0, 1, None), None)
-        out[spec.kind] = (ref, init, perturbed_run(case, spec, init, 4, 99, torch.device("cpu")))
+        befores = [init] + [rec["params"] for rec in ref["steps"][:-1]]
+        out[spec.kind] = (ref, init, perturbed_runs(case, spec, init, befores, [99], torch.device("cpu"))[0])
     return out
 
 

@@ -1068,11 +1068,6 @@ class TrajectoryDeviation:
                    [int(i) for i in d["index"]], list(d["actual"]), list(d["expected"]), d["floor"], list(d["owners"]))
 
 
-def _segment_max(seg: Segments, x: torch.Tensor) -> torch.Tensor:
-    """Per segment, its largest element (NaN propagates, as Tensor.max)."""
-    return torch.full((len(seg),), -math.inf, dtype=x.dtype).scatter_reduce(0, seg.ids, x, "amax", include_self=False)
-
-
 def _same_parameter_shapes(step: int, params: dict[str, torch.Tensor], ref_params: dict[str, torch.Tensor]) -> None:
     for name, p in params.items():
         p_ref = ref_params[name]
@@ -1090,7 +1085,7 @@ def trajectory_deviation(step: int, params: dict[str, torch.Tensor], ref_params:
     ref_flat = seg.flat(ref)
     # A one-ulp flip of the last rounding needs no gradient difference to happen (AdamW's
     # first update is lr * sign(g)), so the envelope starts at the largest element's ulp.
-    floor = 2 * u_param * _segment_max(seg, ref_flat.abs())
+    floor = 2 * u_param * seg.max(ref_flat.abs())
     cell_flat = seg.flat(cell)
     deviation = (cell_flat - ref_flat).abs()
     at = seg.argmax(deviation)
@@ -1113,7 +1108,7 @@ def trajectory_envelope(ref_params: dict[str, torch.Tensor], perturbed_params: l
     ref_flat = seg.flat(ref)
     envelope = None
     for run in perturbed_params:
-        run_max = _segment_max(seg, (seg.flat([run[n] for n in names]) - ref_flat).abs())
+        run_max = seg.max((seg.flat([run[n] for n in names]) - ref_flat).abs())
         envelope = run_max if envelope is None else torch.maximum(envelope, run_max)
     return dict(zip(names, envelope.unbind())) if envelope is not None else {}
 

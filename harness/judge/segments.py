@@ -23,7 +23,13 @@ from dataclasses import astuple, dataclass
 from functools import cached_property
 
 import torch
-from torch._utils import _flatten_dense_tensors  # one C++ call for the whole concatenation
+
+
+# From this many elements in all, the segmented reductions loop over the tensors instead: a
+# model's tensors are then few and large, so the loop costs little in dispatch, and the batched
+# form's model-sized index tensors (the segment of every element, gathered maxima, positions)
+# cost more than the arithmetic. Both forms give the same results (tests/test_judge_batched.py).
+PER_TENSOR_FROM = 1 << 20
 
 
 class Segments:
@@ -57,8 +63,12 @@ class Segments:
             return torch.zeros(0, dtype=torch.float64)
         if any(t.numel() != n for t, n in zip(tensors, self.numels)):
             tensors = [t if t.numel() == n else t.expand(size) for t, n, size in zip(tensors, self.numels, self.sizes)]
-        # The concatenation promotes mixed float dtypes exactly; float64 holds them all.
-        return _flatten_dense_tensors(tensors).double()
+        # Copied into one float64 tensor: the copy promotes every float dtype exactly, with no
+        # concatenation in the tensors' own dtype first.
+        out = torch.empty(self.total, dtype=torch.float64)
+        for t, start, end in zip(tensors, self.offsets, self.offsets[1:]):
+            out[start:end].copy_(t.reshape(-1))
+        return out
 
     def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The segments of `flat`, each 1-D."""
@@ -68,19 +78,50 @@ class Segments:
         """The segments of `flat` as views of their sizes."""
         return [piece.view(size) for piece, size in zip(self.split(flat), self.sizes)]
 
+    @property
+    def per_tensor(self) -> bool:
+        """Whether the segmented reductions loop over the tensors (PER_TENSOR_FROM)."""
+        return self.total >= PER_TENSOR_FROM
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """Per segment, its (start, end) in the flat tensor."""
+        return list(zip(self.offsets[:-1], self.offsets[1:]))
+
     def counts(self, mask: torch.Tensor) -> list[int]:
         """Per segment, the elements where `mask` holds."""
+        if self.per_tensor:
+            return [int(mask[a:b].count_nonzero()) for a, b in self.ranges()]
         return torch.bincount(self.ids[mask], minlength=len(self)).tolist()
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        """Per segment, its largest element (NaN propagates, as Tensor.max; -inf where empty)."""
+        if self.per_tensor:
+            empty = torch.tensor(-math.inf, dtype=x.dtype)
+            return torch.stack([x[a:b].max() if b > a else empty for a, b in self.ranges()])
+        return torch.full((len(self),), -math.inf, dtype=x.dtype).scatter_reduce(0, self.ids, x, "amax",
+                                                                                  include_self=False)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Per segment, the flat index of its first maximum, a NaN counted as the maximum (as
         `Tensor.argmax`); an empty segment gets `self.total`."""
+        if self.per_tensor:
+            return torch.tensor([a + _first_argmax(x[a:b]) if b > a else self.total for a, b in self.ranges()],
+                                dtype=torch.long)
         empty_value = torch.full((len(self),), -math.inf, dtype=x.dtype)
         seg_max = empty_value.scatter_reduce(0, self.ids, x, "amax", include_self=False)  # NaN propagates
         hit = (x == seg_max[self.ids]) | x.isnan()
         position = torch.arange(self.total)
         first = torch.full((len(self),), self.total, dtype=torch.long)
         return first.scatter_reduce(0, self.ids, torch.where(hit, position, self.total), "amin", include_self=True)
+
+
+def _first_argmax(x: torch.Tensor) -> int:
+    """The index of the first maximum of a non-empty 1-D tensor, the first NaN if any (what the
+    batched `Segments.argmax` computes; Tensor.argmax does not promise the first of equals)."""
+    nan = x.isnan()
+    if bool(nan.any()):
+        return int(nan.to(torch.uint8).argmax())
+    return int((x == x.max()).to(torch.uint8).argmax())
 
 
 def ratios(diff: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
@@ -168,6 +209,9 @@ def sign_counts(seg: Segments, diff: torch.Tensor, expected: torch.Tensor,
     one computation repeated (a broadcast, duplicated rows): their errors are one coin, so each
     counts once per tensor (the first in a stable sort by value); non-finite differences fail
     elsewhere."""
+    if seg.per_tensor:
+        return [_sign_counts_of_one(diff[a:b], expected[a:b], None if inputs is None else inputs[a:b])
+                for a, b in seg.ranges()]
     keep = (diff != 0) & diff.isfinite()
     ids, diff, expected = seg.ids[keep], diff[keep], expected[keep]
     order = torch.arange(ids.numel())
@@ -189,3 +233,26 @@ def sign_counts(seg: Segments, diff: torch.Tensor, expected: torch.Tensor,
                           torch.bincount(ids[nonzero & (up == (values > 0))], minlength=n),
                           torch.bincount(ids[nonzero], minlength=n)]).tolist()
     return [SignCounts(*(c[s] for c in counts)) for s in range(n)]
+
+
+def _sign_counts_of_one(diff: torch.Tensor, expected: torch.Tensor, inputs: torch.Tensor | None) -> SignCounts:
+    """`sign_counts` of one tensor: the same elements kept, the same stable order (by value, then
+    input, then position), the same first element of each run of equal values."""
+    keep = (diff != 0) & diff.isfinite()
+    diff, expected = diff[keep], expected[keep]
+    order = torch.arange(diff.numel())
+    keys = [expected] if inputs is None else [inputs[keep], expected]
+    for key in keys:  # least significant first
+        order = order[key[order].sort(stable=True).indices]
+    diff, values = diff[order], expected[order]
+    first = torch.ones_like(values, dtype=torch.bool)
+    first[1:] = values[1:] != values[:-1]
+    if inputs is not None:
+        sorted_inputs = keys[0][order]
+        first[1:] |= sorted_inputs[1:] != sorted_inputs[:-1]
+    diff, values = diff[first], values[first]
+    nonzero = values != 0
+    up = diff > 0
+    along = nonzero & (up == (values > 0))
+    return SignCounts(int(up.count_nonzero()), int(values.numel()), int(along.count_nonzero()),
+                      int(nonzero.count_nonzero()))

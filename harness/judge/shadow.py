@@ -10,8 +10,8 @@ one pass when the data is identical on every rank). What it returns is the refer
 model (docs/error_model.md): each rank's exact local loss, the exact mean of the K local gradient
 terms (float64), sum |term| / W (float64), and the plain optimizer's step from the mean rounded to
 the parameter dtype, with the hyperparameters each parameter stepped with (its group's, at this
-step's learning rate). `perturb` turns it into one step of a perturbed reference run (the
-trajectory envelope).
+step's learning rate). `perturbed_step` is one step of a perturbed reference run (the trajectory
+envelope), with noise of the amplitude `noise_amplitude` measures.
 """
 
 from __future__ import annotations
@@ -197,15 +197,18 @@ class Shadow:
                     for leaf in leaves:
                         if leaf.grad is None:
                             continue
-                        g = leaf.grad.detach().double()
+                        # Accumulated in place: add_ promotes a float32 term to float64 exactly
+                        # inside the kernel (the same bits as adding its .double()), with no
+                        # model-sized temporary per term.
+                        g = leaf.grad.detach()
                         if name in sums:
-                            sums[name] += g
+                            sums[name].add_(g)
                             if absolute is not None:
-                                absolute[name] += g.abs()
+                                absolute[name].add_(g.abs())
                         else:
-                            sums[name] = g.clone()
+                            sums[name] = g.to(torch.float64, copy=True)
                             if absolute is not None:
-                                absolute[name] = g.abs()
+                                absolute[name] = g.abs().double()
                         leaf.grad = None
             return harvest
 
@@ -304,8 +307,8 @@ class Shadow:
                 for name in self.params}
 
     def step(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
-             perturb: torch.Generator | None = None, buffers_before: dict[str, torch.Tensor] | None = None,
-             antithetic: bool = False, reorder: bool = True, clip_norm: float | None = None) -> dict:
+             buffers_before: dict[str, torch.Tensor] | None = None, reorder: bool = True,
+             clip_norm: float | None = None) -> dict:
         """One step replayed from the cell's parameters (and buffers, when given; else the shadow's
         own) before it; "buffers" in the result are rank 0's after its forward passes.
 
@@ -320,25 +323,9 @@ class Shadow:
             self._set_buffers(buffers_before)
         self._reorder_seed += 1
         seed = self._reorder_seed
-        reorder = reorder or perturb is not None  # a perturbed step's noise includes the allowance
         losses, grads, abs_grads, reordered = self._terms(batch, data_mode, world_size, self.num_micro, reorder)
         buffers = {n: b.detach().cpu().clone() for n, b in self.buffers.items()}
-        if perturb is not None:
-            self._perturb(grads, batch, perturb, reordered, antithetic)
-            self._set_buffers(buffers)  # the per-sample passes moved them
-        for name, p in self.params.items():
-            p.grad = grads[name].to(p.dtype) if name in grads else None
-        if self.clip is not None and clip_norm is not None and math.isfinite(clip_norm):
-            grads_now = [p.grad for p in self.params.values() if p.grad is not None]
-            if grads_now:
-                coef = clip_coefficient(clip_norm, self.clip[0], grads_now[0].dtype)
-                torch._foreach_mul_(grads_now, coef.to(grads_now[0].device))
-        elif self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.params.values()), *self.clip)
-        hyper = self.hyperparameters()  # this step's, before the scheduler moves the learning rate
-        self.optim.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        hyper = self._optimizer_step(grads, clip_norm)
         out = {
             "loss": losses.detach().cpu(),
             "grads": {n: g.cpu() for n, g in grads.items()},
@@ -359,6 +346,41 @@ class Shadow:
             buffers = None if buffers_before is None else {n: b.detach().clone() for n, b in buffers_before.items()}
             out["reorder_later"] = lambda: self.reorder_allowance(before, batch, data_mode, world_size, buffers, seed)
         return out
+
+    def _optimizer_step(self, grads: dict[str, torch.Tensor], clip_norm: float | None) -> dict[str, dict]:
+        """Step the plain optimizer (and scheduler) with `grads` rounded to the parameter dtype,
+        clipped as the case clips (with the cell's norm, when given and finite); returns the
+        hyperparameters the step used."""
+        for name, p in self.params.items():
+            p.grad = grads[name].to(p.dtype) if name in grads else None
+        if self.clip is not None and clip_norm is not None and math.isfinite(clip_norm):
+            grads_now = [p.grad for p in self.params.values() if p.grad is not None]
+            if grads_now:
+                coef = clip_coefficient(clip_norm, self.clip[0], grads_now[0].dtype)
+                torch._foreach_mul_(grads_now, coef.to(grads_now[0].device))
+        elif self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), *self.clip)
+        hyper = self.hyperparameters()  # this step's, before the scheduler moves the learning rate
+        self.optim.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return hyper
+
+    def perturbed_step(self, params_before: dict[str, torch.Tensor], batch: Batch,
+                       noise: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One step of a perturbed reference run (harness/run/worker.py PerturbedRuns): the whole
+        batch's exact gradient at `params_before` plus `noise` (float64 per gradient: a sign times
+        `noise_amplitude`), clipped as the case clips and stepped; returns the parameters after it."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(params_before[name])
+        self._reorder_seed += 1
+        _, grads, _, _ = self._terms(batch, "identical", 1, self.num_micro, reorder=False)
+        for name, g in grads.items():
+            if name in noise:
+                grads[name] = g + noise[name].to(g.device)
+        self._optimizer_step(grads, None)
+        return {n: p.detach().cpu().clone() for n, p in self.params.items()}
 
     def reorder_allowance(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
                           buffers_before: dict[str, torch.Tensor] | None, seed: int) -> dict[str, torch.Tensor]:
@@ -383,12 +405,27 @@ class Shadow:
         return {name: {k: group_of[id(p)][k] for k in GROUP_HYPERPARAMETERS if k in group_of[id(p)]}
                 for name, p in self.params.items()}
 
-    def _perturb(self, grads: dict[str, torch.Tensor], batch: Batch, generator: torch.Generator,
-                 reordered: dict[str, torch.Tensor], antithetic: bool = False) -> None:
-        """Add noise of the size of the largest honest reduction error of any split of this batch
-        (every sample its own term, K = B, bounds every W x M split), plus the measured difference
-        between this whole-batch gradient and the mean of the per-sample ones: the local computation
-        on another batch size (docs/error_model.md, "Trajectories")."""
+    def noise_amplitude(self, params_before: dict[str, torch.Tensor], batch: Batch) -> dict[str, torch.Tensor]:
+        """Per gradient (float64), the amplitude of a perturbed reference run's noise at this step,
+        measured at `params_before` (the reference's parameters before the step): the size of the
+        largest honest reduction error of any split of this batch (every sample its own term,
+        K = B, bounds every W x M split), plus the measured difference between the whole-batch
+        gradient and the mean of the per-sample ones and of every split a cell computes (the local
+        computation on another batch size), plus the reordering allowance (docs/error_model.md,
+        "Trajectories"). Every perturbed run of the step adds a random sign times it."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(params_before[name])
+        self._reorder_seed += 1
+        _, grads, _, reordered = self._terms(batch, "identical", 1, self.num_micro)
+        buffers = {n: b.detach().clone() for n, b in self.buffers.items()}
+        try:
+            return self._amplitude(grads, batch, reordered)
+        finally:
+            self._set_buffers(buffers)  # the per-sample passes moved them
+
+    def _amplitude(self, grads: dict[str, torch.Tensor], batch: Batch,
+                   reordered: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         num_samples = batch_size(batch)
         local_shape = {n: torch.zeros_like(g) for n, g in grads.items()}
         if "split" in self.case.data_modes:
@@ -414,18 +451,12 @@ class Shadow:
         # ranks, so beyond the reduction their gradients differ by the compute dtype's rounding.
         u = max(precision.u, unit_roundoff(features.compute_dtype))
         model = ReductionModel(num_samples, u, precision.casts, max(precision.eta, underflow_error(features.compute_dtype)))
+        amplitudes = {}
         for name, g in grads.items():
             # A sample's gradient is itself a sum over its rows (a sequence's tokens), which a
             # batched backward sums in another order than a per-sample one; where those rows cancel
             # (an attention key bias, whose exact gradient is zero) this difference dwarfs the
             # reduction bound of the per-sample terms.
             shape = torch.maximum(local_shape[name], (g - per_sample_mean[name]).abs())
-            amplitude = model.grad_bound(per_sample_abs[name]) + shape + reordered.get(name, 0)
-            # A random sign at the full amplitude (not a uniform draw below it): with the antithetic
-            # run's opposite sign, some run is pushed at least as far as an honest cell in either
-            # direction, so at step 1 the envelope holds element by element for any optimizer whose
-            # update is monotone in the gradient (AdamW's first step is nearly lr * sign(g)).
-            sign = torch.randint(0, 2, g.shape, generator=generator, dtype=torch.float64) * 2 - 1
-            if antithetic:
-                sign = -sign
-            grads[name] = g + (sign * amplitude.cpu()).to(g.device)
+            amplitudes[name] = (model.grad_bound(per_sample_abs[name]) + shape + reordered.get(name, 0)).cpu()
+        return amplitudes

@@ -51,7 +51,8 @@ REORDER_FACTOR = 4.0
 # rounding of p - lr * update flips for a gradient difference far below an ulp); allowing two
 # keeps honest parameter margins at or below 0.5.
 ROUNDING_ALLOWANCE = 2
-# Perturbed reference runs whose envelope the trajectory check uses (independent noise seeds).
+# Perturbed reference runs whose envelope the trajectory check uses (antithetic pairs: one noise draw
+# per pair and step, harness/run/worker.py PerturbedRuns).
 NUM_PERTURBED_RUNS = 2
 # Above this median tolerance / |g| over a gradient's elements a check could not tell an honest run
 # from one whose gradients are off by that fraction: the cell is refused ("cannot verify").

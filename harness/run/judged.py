@@ -17,8 +17,8 @@ CellJudge, the same code), and lets the tensors go:
   code and settings (harness/run/worker.py LockStepReference): the same bits, at the price of one
   more plain-model training per cell instead of parameters x steps on disk. What the check then
   needs from the reference cell is its envelope, one number per parameter and step
-  (trajectory_envelope), which the reference cell's rank 0 computes from its perturbed runs,
-  stepped beside it; the parent judges the cell's deviations (TrajectoryDeviation, a few numbers
+  (trajectory_envelope), which the reference cell's team computes from its perturbed runs,
+  stepped beside it (harness/run/worker.py PerturbedRuns); the parent judges the cell's deviations (TrajectoryDeviation, a few numbers
   per parameter and step) against it (complete_trajectory), in the order a snapshot's judge does;
 - the W x W matrices compare cells by their whole trajectories: the cell's distance from the
   reference is computed here exactly; two cells whose trajectories have the same digest are 0
@@ -50,14 +50,15 @@ class RankJudge:
     step's record as the snapshot would hold it, then `record()` for the parent.
 
     `reference(step)` gives the reference's record of that step ({"step", "loss", "grads",
-    "params"}) for a cell under test; `perturbed(step)` the perturbed runs' parameters at that step
-    for a reference cell. A check that raises ends the judging (the cell is an error, with the
+    "params"}) for a cell under test; `perturbed(step, params_before)` the perturbed runs'
+    parameters at that step for a reference cell, given its parameters before the step. A check that raises ends the judging (the cell is an error, with the
     message the parent would give) while training goes on: the other ranks are in its collectives."""
 
     def __init__(self, cell: Cell, spec: OptimizerSpec, case: Case, header: dict, plain: torch.nn.Module,
                  init_state: dict[str, torch.Tensor], init_buffers: dict[str, torch.Tensor],
                  reference: Callable[[int], dict] | None = None,
-                 perturbed: Callable[[int], list[dict[str, torch.Tensor]]] | None = None) -> None:
+                 perturbed: Callable[[int, dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] | None = None
+                 ) -> None:
         self.cell, self.kind = cell, spec.kind
         self.header = header
         params = list(plain.named_parameters())
@@ -72,6 +73,7 @@ class RankJudge:
         self.envelopes: list[dict[str, torch.Tensor]] = []
         self.mismatches: list[dict] = []
         self.stopped = False
+        self._before: dict[str, torch.Tensor] | None = None  # the cell's parameters before the next step
         self.vs_reference = torch.zeros((), dtype=torch.float64)
         self.finite = True
         self._digest = hashlib.blake2b(digest_size=8)
@@ -94,6 +96,7 @@ class RankJudge:
         def run() -> None:
             check_init_evidence(init, self.sizes, self.buffer_sizes, self.cell.world_size)
             self.judge.start(init)
+            self._before = init["params"]
         self._guard(run)
 
     def take(self, rec: dict) -> None:
@@ -107,8 +110,9 @@ class RankJudge:
                                         self.aliases):
                 self.mismatches.append(asdict(m))
             ref = self.reference(step) if self.reference is not None else None
-            if self.perturbed is not None:
-                self.envelopes.append(trajectory_envelope(rec["params"], self.perturbed(step)))
+            if self.perturbed is not None:  # the cell is the reference: its parameters before the step are
+                self.envelopes.append(trajectory_envelope(rec["params"], self.perturbed(step, self._before)))
+            self._before = rec["params"]
             self.steps.append(step)
             order = self.header["init_order"]
             split = self.cell.data_mode == "split"

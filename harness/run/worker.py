@@ -331,10 +331,10 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     if is_writer and judge_here:
         reference = perturbed = None
         if cell.is_reference:
-            runs = [PerturbedRun(case, spec, init_state, seed, ctx.device, init_buffers)
-                    for seed in perturbed_seeds(0, team_size)]
-            def perturbed(step, runs=runs):
-                return [run.step(step) for run in runs]
+            seeds = perturbed_seeds(0, team_size)  # none here: the team's other ranks step them all
+            runs = PerturbedRuns(case, spec, init_state, seeds, ctx.device, init_buffers) if seeds else None
+            def perturbed(step, before, runs=runs):
+                return runs.step(step, before) if runs is not None else []
         elif reference_rank:
             reference = references.pop
         else:
@@ -422,8 +422,9 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         return None
     if judge is not None:
         return judge.record(run_id)
-    perturbed = ([perturbed_run(case, spec, init_state, cell.steps, seed, ctx.device, init_buffers)
-                  for seed in range(1, NUM_PERTURBED_RUNS + 1)] if cell.is_reference else None)
+    perturbed = (perturbed_runs(case, spec, init_state, [init_params] + [rec.params for rec in steps[:-1]],
+                                list(range(1, NUM_PERTURBED_RUNS + 1)), ctx.device, init_buffers)
+                 if cell.is_reference else None)
     return Snapshot(cell.to_json(), spec.kind, ctx.world_size, layouts,
                     {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
                     init_params, Buffers(init_bufs, init_buffer_digests), steps, perturbed).to_dict()
@@ -431,9 +432,12 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
 
 def perturbed_seeds(rank: int, team_size: int) -> list[int]:
     """The perturbed runs (seeds 1..NUM_PERTURBED_RUNS) rank `rank` of a reference cell's team
-    steps when the cell is judged on the ranks: one after another round the team, so a team of
-    two runs them side by side instead of rank 0 alone."""
-    return [seed for seed in range(1, NUM_PERTURBED_RUNS + 1) if (seed - 1) % team_size == rank]
+    steps when the cell is judged on the ranks. A pair of antithetic runs shares its noise
+    (`PerturbedRuns`), so pairs stay whole: round the team's ranks from 1, beside rank 0's
+    training, replay and judge; all on rank 0 in a team of one."""
+    helpers = range(1, team_size) if team_size > 1 else range(1)
+    return [seed for seed in range(1, NUM_PERTURBED_RUNS + 1)
+            if helpers[((seed + 1) // 2 - 1) % len(helpers)] == rank]
 
 
 def perturbed_envelopes(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
@@ -444,54 +448,78 @@ def perturbed_envelopes(cell: Cell, spec: OptimizerSpec, init_state: dict[str, t
     cell's rank 0 computes it for its own seeds; the max of the two is the envelope of all."""
     case = get_case(cell.case)
     reference = LockStepReference(cell, spec, init_state, init_buffers, device)
-    runs = [PerturbedRun(case, spec, init_state, seed, device, init_buffers) for seed in seeds]
-    return [trajectory_envelope(reference.step(step)["params"], [run.step(step) for run in runs])
-            for step in range(1, cell.steps + 1)]
+    runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers)
+    envelopes, before = [], init_state
+    for step in range(1, cell.steps + 1):
+        params = reference.step(step)["params"]
+        envelopes.append(trajectory_envelope(params, runs.step(step, before)))
+        before = params
+    return envelopes
 
 
 def merge_envelopes(mine: list[dict[str, torch.Tensor]], theirs: list[dict[str, torch.Tensor]]
                     ) -> list[dict[str, torch.Tensor]]:
     """The elementwise max of two teams' envelopes, step by step (NaN kept, as the max over the runs
     of one process keeps it)."""
-    if len(mine) != len(theirs) or any(set(a) != set(b) for a, b in zip(mine, theirs)):
+    if len(mine) != len(theirs) or any(a and b and set(a) != set(b) for a, b in zip(mine, theirs)):
         raise RuntimeError(f"perturbed envelopes of {len(theirs)} steps from another rank, {len(mine)} here")
-    return [{n: torch.maximum(a[n], b[n]) for n in a} for a, b in zip(mine, theirs)]
+    # An empty step: that rank stepped no runs.
+    return [{n: torch.maximum(a[n], b[n]) for n in a} if a and b else a or b for a, b in zip(mine, theirs)]
 
 
-class PerturbedRun:
-    """The reference run with honest-sized noise added to every step's gradient, stepped one step
-    at a time: its deviation from the reference is the envelope the trajectory check scales
-    (docs/error_model.md)."""
+class PerturbedRuns:
+    """Perturbed copies of the reference run, stepped together one step at a time: each adds
+    honest-sized noise to every step's exact gradient, and their deviation from the reference is
+    the envelope the trajectory check scales (docs/error_model.md, "Trajectories").
 
-    def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], seed: int,
+    The noise's amplitude is measured once per step, at the reference's parameters before the step
+    (Shadow.noise_amplitude: per-sample and per-split passes, the reordered replays), and shared by
+    every run: it is a property of the step's batch and model, not of a run's own bits. Runs come in
+    antithetic pairs (seeds 2k - 1, 2k): the pair draws one random sign per element and step, run
+    2k - 1 adds sign x amplitude and run 2k its opposite, so at every element one run of the pair is
+    pushed the full amplitude in the direction an honest cell may have gone."""
+
+    def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], seeds: list[int],
                  device: torch.device, init_buffers: dict[str, torch.Tensor] | None = None) -> None:
-        self.case, self.seed = case, seed
-        self.shadow = Shadow(case, spec, init_state, device, init_buffers=init_buffers)
-        # Runs come in antithetic pairs: run 2k draws the signs of run 2k - 1 and takes their opposite
-        # (harness/judge/shadow.py Shadow._perturb), so at every element one run of the pair is pushed
-        # the full amplitude in the direction an honest cell may have gone.
-        self.generator = torch.Generator().manual_seed((seed + 1) // 2)
-        self.params = {n: p.detach().cpu().clone() for n, p in self.shadow.params.items()}
+        self.case, self.seeds = case, list(seeds)
+        self.measure = Shadow(case, spec, init_state, device, init_buffers=init_buffers)
+        self.shadows = [Shadow(case, spec, init_state, device, init_buffers=init_buffers) for _ in self.seeds]
+        self.generators = {pair: torch.Generator().manual_seed(pair) for pair in {(s + 1) // 2 for s in self.seeds}}
+        initial = {n: p.detach().cpu().clone() for n, p in self.measure.params.items()}
+        self.params = [initial] * len(self.seeds)
         self.steps = 0
 
-    def step(self, step: int) -> dict[str, torch.Tensor]:
-        """The run's parameters after `step` (steps are taken in order, from 1)."""
+    def step(self, step: int, reference_before: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Every run's parameters after `step` (steps are taken in order, from 1), the noise
+        measured at `reference_before`, the reference's parameters before the step."""
         if step != self.steps + 1:
-            raise RuntimeError(f"perturbed run {self.seed}: step {step} after step {self.steps}")
+            raise RuntimeError(f"perturbed runs {self.seeds}: step {step} after step {self.steps}")
         case = self.case
         batch = case.make_batch(case.seed, step, case.global_batch)
-        self.params = self.shadow.step(self.params, batch, "identical", 1, perturb=self.generator,
-                                       antithetic=self.seed % 2 == 0)["params"]
+        amplitude = self.measure.noise_amplitude(reference_before, batch)
+        # A random sign at the full amplitude (not a uniform draw below it): with the antithetic
+        # run's opposite sign, some run is pushed at least as far as an honest cell in either
+        # direction, so at step 1 the envelope holds element by element for any optimizer whose
+        # update is monotone in the gradient (AdamW's first step is nearly lr * sign(g)).
+        noise = {pair: {n: (torch.randint(0, 2, a.shape, generator=g, dtype=torch.float64) * 2 - 1) * a
+                        for n, a in amplitude.items()}
+                 for pair, g in sorted(self.generators.items())}
+        del amplitude
+        self.params = [shadow.perturbed_step(params, batch, noise[(seed + 1) // 2] if seed % 2 else
+                                             {n: -t for n, t in noise[(seed + 1) // 2].items()})
+                       for seed, shadow, params in zip(self.seeds, self.shadows, self.params)]
         self.steps = step
         return self.params
 
 
-def perturbed_run(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], num_steps: int,
-                  seed: int, device: torch.device,
-                  init_buffers: dict[str, torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
-    """Every step's parameters of one PerturbedRun."""
-    run = PerturbedRun(case, spec, init_state, seed, device, init_buffers)
-    return [run.step(step) for step in range(1, num_steps + 1)]
+def perturbed_runs(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
+                   references_before: list[dict[str, torch.Tensor]], seeds: list[int], device: torch.device,
+                   init_buffers: dict[str, torch.Tensor] | None = None) -> list[list[dict[str, torch.Tensor]]]:
+    """Per seed, every step's parameters of the PerturbedRuns of `seeds` around a reference whose
+    parameters before each step are `references_before`."""
+    runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers)
+    steps = [runs.step(step, before) for step, before in enumerate(references_before, start=1)]
+    return [[params[i] for params in steps] for i in range(len(seeds))]
 
 
 # A rank waits this long for the other ranks of its next world size: the ranks below it may train
