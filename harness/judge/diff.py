@@ -24,7 +24,7 @@ a verdict on the implementation. docs/error_model.md derives every bound.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import reduce
 
 import torch
@@ -364,6 +364,10 @@ def reduction_model(case: Case, world_size: int) -> ReductionModel:
                                    DTYPES[features.reduce_dtype] if features.reduce_dtype else None)
 
 
+# The unit roundoff of the master parameters and optimizer state (float32).
+PARAM_UNIT_ROUNDOFF = unit_roundoff(torch.float32)
+
+
 class StepBounds:
     """The elementwise tolerances of one cell's grad and param checks, step after step (the
     optimizer's state error is carried across steps): what check_snapshot and baselines apply."""
@@ -371,7 +375,7 @@ class StepBounds:
     def __init__(self, case: Case, spec, world_size: int) -> None:
         self.case = case
         self.reduction = reduction_model(case, world_size)
-        self.u_param = unit_roundoff(torch.float32)  # master parameters and optimizer state
+        self.u_param = PARAM_UNIT_ROUNDOFF
         self.opt_state = OptimizerErrorState(spec, self.u_param)
         # From the first step whose clipping may have scaled the cell's gradients, by a coefficient
         # of its own rounding common to every element, updates are not sign-tested ([Note: Update bias]).
@@ -720,11 +724,14 @@ class CellJudge:
         viol.extend(buffer_violations(kind, 0, init["buffers"], self.init_buffers or {}, None, self.stats["buffers"]))
         self._params_before = init["params"]
 
-    def step(self, rec: dict, ref_rec: dict | None = None) -> bool:
+    def step(self, rec: dict, ref_rec: dict | None = None, comparison: ReferenceComparison | None = None) -> bool:
         """Judge one step's record (a snapshot's step) against its replay, and take its deviation
-        from the reference's step `ref_rec` ({"step", "loss", "grads", "params"}; None: no
-        trajectory check). False, judging nothing, once the cell went non-finite at an earlier
+        from the reference's step `ref_rec` ({"step", "loss", "grads", "params"}), or its
+        `comparison` with it taken where the reference is (`compare_with_reference`); neither: no
+        trajectory check. False, judging nothing, once the cell went non-finite at an earlier
         step: the shadow then starts from its non-finite parameters and says nothing more."""
+        if comparison is None and ref_rec is not None:
+            comparison = compare_with_reference(rec, ref_rec, self.step_bounds.u_param, self.split)
         kind, viol, stats, step_bounds = self.kind, self.viol, self.stats, self.step_bounds
         step, shadow = rec["step"], rec["shadow"]
         step_layouts = rec.get("layouts", self.layouts)  # a resharding case changes them mid-run
@@ -780,7 +787,7 @@ class CellJudge:
         losses, expected = rec["loss"], shadow["loss"]
         self.result.losses.append({"optimizer": kind, "step": step, "loss": losses.double().mean().item(),
                                    "replay": expected.double().mean().item(),
-                                   "reference": ref_rec["loss"].double().mean().item() if ref_rec is not None else None})
+                                   "reference": comparison.ref_loss if comparison is not None else None})
         if losses.shape != expected.shape:
             raise ValueError(f"step {step}: {losses.numel()} rank losses, the replay has {expected.numel()}")
         loss_diffs = (losses.double() - expected.double()).abs().reshape(-1).tolist()
@@ -899,29 +906,21 @@ class CellJudge:
                                           num_violating=int((pad != 0).sum().item())))
 
         # trajectory: the free-running cell vs the free-running reference (judged in `finish`)
-        if ref_rec is not None:
-            self.take_trajectory(step, rec, ref_rec, step_layouts)
+        if comparison is not None:
+            self.take_trajectory(step, comparison, step_layouts)
         if self.result.neighbourhood is None and viol:
             self.result.neighbourhood = neighbourhood(first_of(viol), step, rec)
         return True
 
-    def take_trajectory(self, step: int, rec: dict, ref_rec: dict, step_layouts: dict) -> None:
+    def take_trajectory(self, step: int, comparison: ReferenceComparison, step_layouts: dict) -> None:
         """The cell's deviation from the reference at `step` (judged in `finish` against the
         envelope), and the step's rows of the per-step trajectory table."""
-        if ref_rec["step"] != step:
-            raise ValueError(f"reference step {ref_rec['step']} where the cell has step {step}")
-        _require_finite("reference parameter", step, ref_rec["params"])
-        self.trajectory.append(trajectory_deviation(step, rec["params"], ref_rec["params"], self.step_bounds.u_param,
-                                                    step_layouts))
-        actual_losses = rec["loss"].double().mean().reshape(1) if self.split else rec["loss"].double()
-        ref_loss = ref_rec["loss"].double().mean()
-        both = {n: g for n, g in rec["grads"].items() if n in ref_rec["grads"]}  # gradients both have
-        step_stats = {
-            "loss": compare(actual_losses.float(), ref_loss.float().expand_as(actual_losses)),
-            "grad": compare(flat(both), flat(ref_rec["grads"], both)),
-            "param": compare(flat(rec["params"]), flat(ref_rec["params"], rec["params"])),
-        }
-        for q, merged in step_stats.items():
+        if comparison.error is not None:
+            raise comparison.error
+        dev = comparison.deviation
+        owners = [owner_of(step_layouts.get(n), size, i) for n, size, i in zip(dev.names, dev.sizes, dev.index)]
+        self.trajectory.append(replace(dev, owners=owners))
+        for q, merged in comparison.per_step.items():
             self._traj[q].append(merged)
             self.result.per_step.append({"optimizer": self.kind, "step": step, "quantity": q, **asdict(merged),
                                          "bitwise_equal": merged.bitwise_equal})
@@ -1066,6 +1065,52 @@ class TrajectoryDeviation:
     def from_record(cls, d: dict) -> TrajectoryDeviation:
         return cls(int(d["step"]), list(d["names"]), [torch.Size(s) for s in d["sizes"]], d["deviation"],
                    [int(i) for i in d["index"]], list(d["actual"]), list(d["expected"]), d["floor"], list(d["owners"]))
+
+
+@dataclass(frozen=True)
+class ReferenceComparison:
+    """What the judge needs of the free-running reference at one step, taken where the reference's
+    parameters are (`compare_with_reference`): the cell's deviation from it per parameter (owners
+    filled in by the judge, which has the cell's layouts), the per-step trajectory table's rows,
+    the reference's loss, and the largest difference of the two trajectory rows (the matrices'
+    distance from the reference). `error`: what judging the step against it raises (a
+    non-finite reference, shapes that differ), raised where the trajectory is taken."""
+
+    step: int
+    ref_loss: float
+    row_max: torch.Tensor | None  # float64 0-d, NaN kept; None where no order was given
+    deviation: TrajectoryDeviation | None
+    per_step: dict[str, DiffStats]
+    error: Exception | None = None
+
+
+def compare_with_reference(rec: dict, ref_rec: dict, u_param: float, split: bool,
+                           order: list[str] | None = None) -> ReferenceComparison:
+    """The cell's step record `rec` ({"step", "loss": every rank's, "grads", "params"}) against
+    the reference's step `ref_rec`: the numbers `CellJudge.take_trajectory` judges, wherever they
+    are taken (the parent, the cell's rank 0, or the rank that trains the reference beside it).
+    With `order` (the parameter names of the trajectory rows), also the rows' largest difference."""
+    step = rec["step"]
+    ref_loss = ref_rec["loss"].double().mean()
+    row_max = None
+    if order is not None:  # the matrices' distance, for a cell judged on its ranks (harness/run/judged.py)
+        row_max = (trajectory_row(rec, order, split).double()
+                   - trajectory_row(ref_rec, order, False).double()).abs().max()
+    try:
+        if ref_rec["step"] != step:
+            raise ValueError(f"reference step {ref_rec['step']} where the cell has step {step}")
+        _require_finite("reference parameter", step, ref_rec["params"])
+        deviation = trajectory_deviation(step, rec["params"], ref_rec["params"], u_param, {})
+    except Exception as e:  # raised where the trajectory is taken, after the step's other checks
+        return ReferenceComparison(step, ref_loss.item(), row_max, None, {}, e)
+    actual_losses = rec["loss"].double().mean().reshape(1) if split else rec["loss"].double()
+    both = {n: g for n, g in rec["grads"].items() if n in ref_rec["grads"]}  # gradients both have
+    per_step = {
+        "loss": compare(actual_losses.float(), ref_loss.float().expand_as(actual_losses)),
+        "grad": compare(flat(both), flat(ref_rec["grads"], both)),
+        "param": compare(flat(rec["params"]), flat(ref_rec["params"], rec["params"])),
+    }
+    return ReferenceComparison(step, ref_loss.item(), row_max, deviation, per_step)
 
 
 def _same_parameter_shapes(step: int, params: dict[str, torch.Tensor], ref_params: dict[str, torch.Tensor]) -> None:

@@ -13,13 +13,17 @@ CellJudge, the same code), and lets the tensors go:
   the same records the snapshot would hold (harness/run/evidence.py, harness/judge/layouts.py);
 - the trajectory check needs the free-running reference's parameters at every step. They are
   the reference cell's (impl=single, W = 1), which a snapshot carried from that cell to every
-  other; here rank 0 trains that reference itself, step by step beside the cell, with the same
-  code and settings (harness/run/worker.py LockStepReference): the same bits, at the price of one
-  more plain-model training per cell instead of parameters x steps on disk. What the check then
-  needs from the reference cell is its envelope, one number per parameter and step
-  (trajectory_envelope), which the reference cell's team computes from its perturbed runs,
-  stepped beside it (harness/run/worker.py PerturbedRuns); the parent judges the cell's deviations (TrajectoryDeviation, a few numbers
-  per parameter and step) against it (complete_trajectory), in the order a snapshot's judge does;
+  other; here the cell's team trains that reference itself, step by step beside the cell, with the
+  same code and settings (harness/run/worker.py LockStepReference): the same bits, at the price of
+  one more plain-model training per cell instead of parameters x steps on disk. In a team of two
+  or more it runs on rank 1, which holds the cell's full parameters and gradients too, and compares
+  the two there (harness/judge/diff.py compare_with_reference: the deviation per parameter, the
+  per-step table's rows, the reference's loss, the matrices' distance); rank 0 receives those few
+  numbers per parameter and step, not the reference's tensors. What the check then needs from the
+  reference cell is its envelope, one number per parameter and step (trajectory_envelope), which
+  the reference cell's team computes from its perturbed runs, stepped beside it
+  (harness/run/worker.py PerturbedRuns); the parent judges the cell's deviations
+  (TrajectoryDeviation) against it (complete_trajectory), in the order a snapshot's judge does;
 - the W x W matrices compare cells by their whole trajectories: the cell's distance from the
   reference is computed here exactly; two cells whose trajectories have the same digest are 0
   apart (NaN when either is not finite, as a subtraction gives), and a cell with the reference's
@@ -38,7 +42,8 @@ from typing import Callable
 import torch
 
 from cases.case import Case, OptimizerSpec
-from harness.judge.diff import CellJudge, ReferenceDiverged, result_to_record, trajectory_envelope, trajectory_row
+from harness.judge.diff import (CellJudge, ReferenceComparison, ReferenceDiverged, compare_with_reference,
+                                result_to_record, trajectory_envelope, trajectory_row)
 from harness.judge.layouts import LayoutError, check_step_layouts, parameter_names
 from harness.run.evidence import EvidenceError, check_init_evidence, check_step_evidence
 from harness.run.plan import Cell
@@ -49,14 +54,17 @@ class RankJudge:
     """Rank 0's judge of one (cell, optimizer): `start` with the initial evidence, `take` each
     step's record as the snapshot would hold it, then `record()` for the parent.
 
-    `reference(step)` gives the reference's record of that step ({"step", "loss", "grads",
-    "params"}) for a cell under test; `perturbed(step, params_before)` the perturbed runs'
-    parameters at that step for a reference cell, given its parameters before the step. A check that raises ends the judging (the cell is an error, with the
-    message the parent would give) while training goes on: the other ranks are in its collectives."""
+    `reference(step)` gives, for a cell under test, the reference's record of that step ({"step",
+    "loss", "grads", "params"}: compared here) or its comparison with the cell's step taken where
+    the reference was trained (harness/judge/diff.py compare_with_reference); `perturbed(step,
+    params_before)` the perturbed runs' parameters at that step for a reference cell, given its
+    parameters before the step. A check that raises ends the judging (the cell is an error, with
+    the message the parent would give) while training goes on: the other ranks are in its
+    collectives."""
 
     def __init__(self, cell: Cell, spec: OptimizerSpec, case: Case, header: dict, plain: torch.nn.Module,
                  init_state: dict[str, torch.Tensor], init_buffers: dict[str, torch.Tensor],
-                 reference: Callable[[int], dict] | None = None,
+                 reference: Callable[[int], dict | ReferenceComparison] | None = None,
                  perturbed: Callable[[int, dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] | None = None
                  ) -> None:
         self.cell, self.kind = cell, spec.kind
@@ -109,22 +117,24 @@ class RankJudge:
             for m in check_step_layouts(rec, self.header["layouts"], self.layout_sizes, self.cell.world_size,
                                         self.aliases):
                 self.mismatches.append(asdict(m))
+            order = self.header["init_order"]
+            split = self.cell.data_mode == "split"
             ref = self.reference(step) if self.reference is not None else None
+            if isinstance(ref, dict):  # the reference's record, trained here: compared here
+                ref = compare_with_reference(rec, ref, self.judge.step_bounds.u_param, split, order)
             if self.perturbed is not None:  # the cell is the reference: its parameters before the step are
                 self.envelopes.append(trajectory_envelope(rec["params"], self.perturbed(step, self._before)))
             self._before = rec["params"]
             self.steps.append(step)
-            order = self.header["init_order"]
-            split = self.cell.data_mode == "split"
             row = trajectory_row(rec, order, split)
             self._digest.update(row.numpy().tobytes())
             self.finite = self.finite and bool(torch.isfinite(row).all())
+            del row
             if ref is not None:  # NaN propagates, as in the parent's matrices
-                self.vs_reference = torch.maximum(self.vs_reference,
-                                                  (row.double() - trajectory_row(ref, order, False).double()).abs().max())
+                self.vs_reference = torch.maximum(self.vs_reference, ref.row_max)
             # Once the cell went non-finite the judge stops (the first divergence is named); the
             # reference and the matrices' rows go on, as over a snapshot.
-            if not self.stopped and not self.judge.step(rec, ref):
+            if not self.stopped and not self.judge.step(rec, comparison=ref):
                 self.stopped = True
         self._guard(run)
 

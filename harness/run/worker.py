@@ -32,7 +32,7 @@ from harness.adapters.features import apply_activation_checkpointing
 from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
-from harness.judge.diff import trajectory_envelope
+from harness.judge.diff import PARAM_UNIT_ROUNDOFF, ReferenceComparison, compare_with_reference, trajectory_envelope
 from harness.run.judged import RankJudge
 from harness.run.plan import REFERENCE_IMPL, Cell
 from harness.run.rank import pick_evidence, pick_grads, rank_epilogue, rank_prologue, replica_digests, train_step
@@ -55,6 +55,16 @@ def _all_gather_rows(t: torch.Tensor, ctx: RankContext) -> torch.Tensor:
     out = t.new_empty(ctx.world_size * t.numel())
     dist.all_gather_into_tensor(out, t, group=ctx.group)
     return out.view(ctx.world_size, -1)
+
+
+def _gather_rows(t: torch.Tensor, ctx: RankContext) -> torch.Tensor | None:
+    """(n,) on every rank -> (W, n) in rank order on the team's rank 0, None on the others."""
+    t = t.detach().reshape(-1).contiguous()
+    if ctx.group is None:
+        return t.unsqueeze(0).clone()
+    rows = [t.new_empty(t.numel()) for _ in range(ctx.world_size)] if ctx.rank == 0 else None
+    dist.gather(t, rows, dst=dist.get_global_rank(ctx.group, 0), group=ctx.group)
+    return torch.stack(rows) if rows is not None else None
 
 
 @dataclass(frozen=True)
@@ -85,8 +95,8 @@ class StepEvidence:
     losses: torch.Tensor  # (W,) in the loss's dtype
     digests: torch.Tensor  # (W, len(digests)) int64
     clip_norms: torch.Tensor  # (W,) float64, NaN where a rank reported none
-    shards: dict[str, torch.Tensor]  # key -> (W, shard_numel)
-    shard_grads: dict[str, torch.Tensor]  # keys whose gradient every rank has
+    shards: dict[str, torch.Tensor]  # key -> (W, shard_numel); on the team's rank 0 only (empty elsewhere)
+    shard_grads: dict[str, torch.Tensor]  # keys whose gradient every rank has (rank 0 only, as shards)
     padding_intervals: dict[str, list]  # key -> per rank [[start, end), ...]
 
 
@@ -102,8 +112,8 @@ def steps_per_gather(num_plain_elements: int) -> int:
 
 
 def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEvidence]:
-    """Every rank's loss, digests and raw shards (data, grad, padding intervals) of `parts`' steps
-    in two all-gathers.
+    """Every rank's loss, digests and raw shards (data, grad, padding intervals) of `parts`' steps:
+    the raw shards' values on the team's rank 0 only (empty elsewhere), the rest on every rank.
 
     A shard's number of padding intervals differs between ranks (alignment gaps fall into some
     shards only), so a first small all-gather agrees on each key's maximum count; each rank then
@@ -123,18 +133,25 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
         every_grad = agreed[:, at + num : at + 2 * num].amin(dim=0).bool().tolist()
         layout.append(list(zip(capacity, every_grad)))
         at += 2 * num
-    send = []  # fp32, bf16 and fp16 values are exact in fp64
+    # The losses, clip norms, digests and padding intervals to every rank; the raw shards, the
+    # model's size, to the team's rank 0 alone, which records them (the others would only hold
+    # them). fp32, bf16 and fp16 values are exact in fp64.
+    small, big = [], []
     for p, shape in zip(parts, layout):
-        send += [p.loss.double().reshape(1), torch.tensor([math.nan if p.clip_norm is None else p.clip_norm],
-                                                          dtype=torch.float64, device=device),
-                 torch.tensor(p.digests, dtype=torch.float64, device=device)]
+        small += [p.loss.double().reshape(1), torch.tensor([math.nan if p.clip_norm is None else p.clip_norm],
+                                                           dtype=torch.float64, device=device),
+                  torch.tensor(p.digests, dtype=torch.float64, device=device)]
         for raw, (cap, has_grad) in zip(p.raws, shape):
             intervals = list(raw.padding_intervals) + [(0, 0)] * (cap - len(raw.padding_intervals))
-            send += [raw.data.double().reshape(-1), torch.tensor(intervals, dtype=torch.float64, device=device).reshape(-1)]
+            small.append(torch.tensor(intervals, dtype=torch.float64, device=device).reshape(-1))
+            big.append(raw.data.double().reshape(-1))
             if has_grad:
-                send.append(raw.grad.double().reshape(-1))
-    rows = _all_gather_rows(torch.cat(send), ctx).cpu()  # (W, n)
-    out, at = [], 0
+                big.append(raw.grad.double().reshape(-1))
+    rows = _all_gather_rows(torch.cat(small), ctx).cpu()  # (W, n)
+    big_rows = _gather_rows(torch.cat(big), ctx) if big else torch.zeros(ctx.world_size, 0, dtype=torch.float64)
+    big_rows = big_rows.cpu() if big_rows is not None else None
+    del big
+    out, at, big_at = [], 0, 0
     for p, shape in zip(parts, layout):
         losses = rows[:, at].to(p.loss.dtype)
         clip_norms = rows[:, at + 1].clone()
@@ -143,16 +160,21 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
         shards, shard_grads, padding_intervals = {}, {}, {}
         for raw, (cap, has_grad) in zip(p.raws, shape):
             n = raw.data.numel()
-            shards[raw.key] = rows[:, at : at + n].to(raw.data.dtype)
-            per_rank = rows[:, at + n : at + n + 2 * cap].long().view(ctx.world_size, cap, 2).tolist()
+            per_rank = rows[:, at : at + 2 * cap].long().view(ctx.world_size, cap, 2).tolist()
             padding_intervals[raw.key] = [[[a, b] for a, b in ivs if b > a] for ivs in per_rank]
-            at += n + 2 * cap
+            at += 2 * cap
+            if big_rows is not None:
+                shards[raw.key] = big_rows[:, big_at : big_at + n].to(raw.data.dtype)
+            big_at += n
             if has_grad:
-                shard_grads[raw.key] = rows[:, at : at + n].to(raw.grad.dtype)
-                at += n
+                if big_rows is not None:
+                    shard_grads[raw.key] = big_rows[:, big_at : big_at + n].to(raw.grad.dtype)
+                big_at += n
         out.append(StepEvidence(losses, digests, clip_norms, shards, shard_grads, padding_intervals))
-    if at != rows.shape[1]:
-        raise RuntimeError(f"rank {ctx.rank}: gathered {rows.shape[1]} evidence values per rank, read {at}")
+    if at != rows.shape[1] or (big_rows is not None and big_at != big_rows.shape[1]):
+        raise RuntimeError(f"rank {ctx.rank}: gathered {rows.shape[1]} + "
+                           f"{big_rows.shape[1] if big_rows is not None else '?'} evidence values per rank, "
+                           f"read {at} + {big_at}")
     return out
 
 
@@ -323,9 +345,12 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
               "init_order": names, "init_digest": init_digest}
     judge = None
     # A cell judged here trains its lock-step reference on the team's rank 1, beside rank 0's
-    # replay, which receives each step's record before the step's evidence is gathered.
+    # replay, and compares the cell's steps with it there (rank 1 holds the cell's full parameters
+    # and gradients too): rank 0 receives each gathered step's comparison, a few numbers per
+    # parameter ([Note: Judged where the evidence lives], harness/run/judged.py).
     reference_rank = 1 if judge_here and not cell.is_reference and ctx.world_size > 1 and ctx.group else 0
-    references: dict[int, dict] = {}
+    references: dict[int, ReferenceComparison] = {}
+    to_compare: dict[int, tuple[dict, dict]] = {}  # on rank 1: step -> (the cell's record, the reference's)
     helper = (LockStepReference(cell, spec, init_state, init_buffers, ctx.device)
               if reference_rank and ctx.rank == reference_rank else None)
     if is_writer and judge_here:
@@ -379,17 +404,24 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                                             clip_norm=clip_norm),
                       "layouts": adapter.layouts(wrapped)}
         if helper is not None:
-            dist.send_object_list([helper.step(step)], dst=0, group=ctx.group)
-        elif judge is not None and reference_rank:
-            box = [None]
-            dist.recv_object_list(box, src=reference_rank, group=ctx.group)
-            if judge.error is None:  # a judge that stopped takes no more steps
-                references[step] = box[0]
+            to_compare[step] = ({"step": step, "grads": _cpu(grads), "params": _cpu(params)}, helper.step(step))
         pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests, clip_norm),
                         len(replicas["names"]), record))
         params_before, buffers_before = params, buffers
         if len(pending) == per_gather or step == cell.steps:
             gathered = gather_evidence([parts for _, parts, _, _ in pending], ctx)
+            if helper is not None:
+                comparisons = []
+                for (taken, *_), ev in zip(pending, gathered):
+                    cell_rec, ref_rec = to_compare.pop(taken)
+                    comparisons.append(compare_with_reference({**cell_rec, "loss": ev.losses}, ref_rec,
+                                                              PARAM_UNIT_ROUNDOFF, cell.data_mode == "split", names))
+                dist.send_object_list([comparisons], dst=0, group=ctx.group)
+                del comparisons
+            elif judge is not None and reference_rank:
+                box = [None]
+                dist.recv_object_list(box, src=reference_rank, group=ctx.group)
+                references.update((c.step, c) for c in box[0])
             for (taken, _, num_replicas, record), ev in zip(pending, gathered):
                 buffer_digests = ev.digests[:, num_replicas:num_replicas + len(buffer_names)]
                 if taken == 1:
