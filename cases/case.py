@@ -292,6 +292,16 @@ class Case:
             raise ValueError(f"case={self.name}: param_groups and lr_scheduler are not mapped onto ZeRO-1 or "
                              f"checkpoint resharding; use them in a case without those features")
 
+    def build_shapes(self) -> nn.Module:
+        """The plain model built on the meta device: its parameters' and buffers' names and shapes,
+        with no memory for their values (the parent's view of a model it never trains); built for
+        real where the model cannot be built on meta."""
+        try:
+            with torch.device("meta"):
+                return self.build_model()
+        except Exception:
+            return self.build_model()
+
     def missing_requirements(self) -> tuple[str, ...]:
         """The packages of `requires` this environment cannot import."""
         return tuple(r for r in self.requires if importlib.util.find_spec(r) is None)

@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--verify-sizes", default="d128,d256,d384",
                        help="the verify-cost part's GPT-2 sizes (tests/data/gpt2_sizes.py: d128, d256, d384, small; "
                             "default d128,d256,d384)")
+    bench.add_argument("--verify-world-sizes", default="2",
+                       help="the verify-cost part's world sizes, each size at each (default 2)")
     _add_search_verbs(verbs)
     return parser
 
@@ -407,11 +409,12 @@ def cmd_bench(args) -> int:
         parts = PARTS if args.only is None else tuple(p.strip() for p in args.only.split(",") if p.strip())
         if args.no_throughput:
             parts = tuple(p for p in parts if p != "throughput")
-        cfg = BenchConfig(_out_dir(args.out), parse_world_sizes(args.speed_world_sizes),
-                          parse_world_sizes(args.memory_world_sizes), args.iters, args.threads,
+        cfg = BenchConfig(_out_dir(args.out), parse_world_sizes(args.speed_world_sizes, "speed-world-sizes"),
+                          parse_world_sizes(args.memory_world_sizes, "memory-world-sizes"), args.iters, args.threads,
                           parts=parts, smoke=args.smoke,
                           verify_cases=tuple(f"{VERIFY_COST_MODULE}:{size}" for size in parse_csv(args.verify_sizes,
-                                                                                                   "verify-sizes")))
+                                                                                                   "verify-sizes")),
+                          verify_world_sizes=parse_world_sizes(args.verify_world_sizes, "verify-world-sizes"))
     except (ValueError, PlanError) as e:
         print(f"harness bench: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -49,11 +49,12 @@ def test_bench_smoke_writes_every_figure(tmp_path):
     assert "step_time_ratio_vs_fsdp2" in (tmp_path / "bench.md").read_text()
 
 
-def test_bench_rejects_bad_world_sizes(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "harness", "bench", "--speed-world-sizes", "0", "--out", str(tmp_path)],
+@pytest.mark.parametrize("flag", ["--speed-world-sizes", "--memory-world-sizes", "--verify-world-sizes"])
+def test_bench_rejects_bad_world_sizes_naming_the_flag(tmp_path, flag):
+    proc = subprocess.run([sys.executable, "-m", "harness", "bench", flag, "0", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "world_size=0" in proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"harness bench: error: {flag}: world_size=0 must be >= 1"], proc.stderr
 
 
 def test_bench_only_refuses_an_unknown_part_before_any_launch(tmp_path):
@@ -119,10 +120,11 @@ def test_verify_cost_is_a_part_only_when_named_and_renders_its_ratio_disk_and_rs
     assert "verify-cost" not in PARTS and BenchConfig(Path("."), parts=("verify-cost",)).parts == ("verify-cost",)
     row = {"case": "tests/data/gpt2_sizes.py:d256", "parameters": 5_273_088, "world_size": 2, "training_wall_s": 22.0,
            "harness_wall_s": 64.0, "ratio": 64 / 22, "output_bytes": 3 * 2**20, "training_peak_rss_bytes": 2**29,
-           "harness_peak_rss_bytes": 2**30}
+           "harness_peak_rss_bytes": 2**30, "parent_peak_rss_bytes": 2**28}
     env = {"cpu_count": 2, "machine": "x86_64", "torch": "2.13.0", "backend": "gloo", "threads_per_rank": 1,
            "smoke": False, "parts": ["verify-cost"]}
     text = render_markdown({"environment": env, "speed": [], "memory": [], "medium": [], "verify_cost": [row]})
     assert "--only verify-cost" in text
-    assert "| d256    | 5.3M         | 22 s             | 64 s          | 2.9x    |" in text, text
-    assert text.rstrip().splitlines()[-3].split("|")[6:9] == ["                  3 ", "                       512 ", "                     1024 "], text
+    row = next(line for line in text.splitlines() if line.startswith("| d256"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells == ["d256", "5.3M", "2", "22 s", "64 s", "2.9x", "3", "512", "1024", "256"], text

@@ -79,6 +79,24 @@ def test_the_couplings_are_far_above_the_threshold_and_identical_data_is_not_mea
     assert check_batch_makeup("batchnorm", (1, 2, 4, 8), ("identical",)) == []
 
 
+def test_a_big_models_check_runs_in_a_child_process_with_the_same_refusals_and_notes(monkeypatch):
+    """The float64 probe of a model judged on the ranks runs in a child (the parent holds no copy
+    of a big model): the same refusal text, the same notes, the same figures as in the process."""
+    case = f"{MAKEUP}:make_batchnorm_split_case"
+    with pytest.raises(Exception) as here:
+        check_batch_makeup(case, (2,), ("split",))
+    with pytest.raises(Exception) as child:
+        check_batch_makeup(case, (2,), ("split",), isolated=True)
+    assert type(child.value) is type(here.value) and str(child.value) == str(here.value)
+    float32_only = f"{MAKEUP}:make_float32_only_case"
+    assert (check_batch_makeup(float32_only, (1, 2), ("identical", "split"), isolated=True)
+            == check_batch_makeup(float32_only, (1, 2), ("identical", "split")))
+    # A child that cannot run is a note, never a pass or a crash of the plan.
+    monkeypatch.setattr(sys, "executable", str(REPO / "no-such-python"))
+    notes = check_batch_makeup(f"{MAKEUP}:make_padded_case", (2,), ("split",), isolated=True)
+    assert len(notes) == 1 and "the batch-makeup check did not run" in notes[0], notes
+
+
 def test_a_model_that_cannot_run_in_float64_is_not_measured_and_says_why():
     notes = check_batch_makeup(f"{MAKEUP}:make_float32_only_case", (1, 2), ("identical", "split"))
     assert len(notes) == 1 and "the batch-makeup check did not run (the float64 forward raised RuntimeError" in notes[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -69,9 +70,7 @@ _MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", sorted(_MISTAKES))
-def test_a_mistake_in_a_users_case_is_exit_2_with_one_line_before_any_rank(tmp_path, mistake):
-    override, message = _MISTAKES[mistake]
+def _write_case(tmp_path, override: str) -> str:
     (tmp_path / "bad_case.py").write_text(f"""
 import torch
 import torch.nn as nn
@@ -101,12 +100,44 @@ def make_case():
     kw.update(dict({override}))
     return Case(**kw)
 """)
+    return f"{tmp_path / 'bad_case.py'}:make_case"
+
+
+@pytest.mark.parametrize("mistake", sorted(_MISTAKES))
+def test_a_mistake_in_a_users_case_is_exit_2_with_one_line_before_any_rank(tmp_path, mistake):
+    override, message = _MISTAKES[mistake]
+    _write_case(tmp_path, override)
     proc = _harness(["run", "--cases", f"{tmp_path / 'bad_case.py'}:make_case", "--impls", "ours",
                      "--world-sizes", "1", "--out", str(tmp_path / "out")], timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "out" / "logs").exists()  # refused before any rank started
+
+
+@pytest.mark.parametrize("mistake", ["dropout in the forward", "loss not a scalar", "wrap path missing", None])
+def test_a_big_models_validation_in_a_child_process_says_what_the_parent_would(tmp_path, mistake):
+    """From JUDGE_ON_RANKS_FROM parameters a user case is validated in a child process
+    (harness/run/isolated.py), so that the parent holds no copy of a big model: the same message
+    for each mistake, nothing for an honest case (None: the file's own case, unchanged)."""
+    from cases.catalog import get_case
+    from cases.user import validate_case
+    from harness.run.isolated import validate_case_in_a_child
+
+    spec = _write_case(tmp_path, _MISTAKES[mistake][0] if mistake else "")
+    try:
+        validate_case(get_case(spec), spec)
+        here = None
+    except ValueError as e:
+        here = str(e)
+    try:
+        validate_case_in_a_child(spec)
+        child = None
+    except ValueError as e:
+        child = str(e)
+    if here is not None and child is not None:  # dropout's two losses are random draws in each process
+        here, child = (re.sub(r"-?[0-9]+\.[0-9]+(e[-+]?[0-9]+)?", "<x>", m) for m in (here, child))
+    assert child == here and (here is None) == (mistake is None), (here, child)
 
 
 def test_a_case_file_that_does_not_load_is_exit_2_with_one_line(tmp_path):

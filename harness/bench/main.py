@@ -41,7 +41,7 @@ OPTIONAL_PARTS = ("verify-cost",)
 VERIFY_COST_MODULE = "tests/data/gpt2_sizes.py"
 VERIFY_COST_SIZES = ("d128", "d256", "d384", "small")
 VERIFY_COST_CASES = tuple(f"{VERIFY_COST_MODULE}:{size}" for size in ("d128", "d256", "d384"))
-VERIFY_COST_WORLD_SIZE = 2
+VERIFY_COST_WORLD_SIZES = (2,)
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class BenchConfig:
     smoke: bool = False  # a tiny model and one iteration: checks that bench runs, measures nothing
     medium_world_sizes: tuple[int, ...] = (1, 2, 4, 8)  # GPT-2 medium, ours only (not in a smoke run)
     verify_cases: tuple[str, ...] = VERIFY_COST_CASES
+    verify_world_sizes: tuple[int, ...] = VERIFY_COST_WORLD_SIZES
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.parts) - set(PARTS) - set(OPTIONAL_PARTS))
@@ -66,7 +67,8 @@ class BenchConfig:
             raise ValueError(f"--verify-sizes {','.join(sizes) or '(none)'}: choose from {', '.join(VERIFY_COST_SIZES)}")
         if self.iters < 1:
             raise ValueError(f"iters={self.iters} must be >= 1")
-        bad = [w for w in (*self.speed_world_sizes, *self.memory_world_sizes, *self.medium_world_sizes) if w < 1]
+        bad = [w for w in (*self.speed_world_sizes, *self.memory_world_sizes, *self.medium_world_sizes,
+                           *self.verify_world_sizes) if w < 1]
         if bad:
             raise ValueError(f"world sizes {bad} must be >= 1")
 
@@ -122,24 +124,35 @@ def _measure(cfg: BenchConfig, work: Path, progress) -> dict:
         progress("bench: harness throughput (batched matrix vs bare launches vs one launch per cell)")
         result["throughput"] = harness_throughput(cfg, work)
     if "verify-cost" in cfg.parts:
-        result["verify_cost"] = [verify_cost(cfg, work, case, progress) for case in cfg.verify_cases]
+        result["verify_cost"] = [verify_cost(cfg, work, case, w, progress)
+                                 for case in cfg.verify_cases for w in cfg.verify_world_sizes]
     return result
 
 
-_MAX_RSS_OF_CHILDREN = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
-                        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, rc)")
+# `harness run` in this process (the parent), then its own peak RSS, the largest of its descendants'
+# (RUSAGE_CHILDREN: torchrun and the ranks, each waited for), and its exit code.
+_PEAK_RSS_OF_RUN = ("import resource, runpy, sys\n"
+                    "sys.argv = ['harness', *sys.argv[1:]]\n"
+                    "try:\n"
+                    "    runpy.run_module('harness', run_name='__main__')\n"
+                    "    rc = 0\n"
+                    "except SystemExit as e:\n"
+                    "    rc = e.code if isinstance(e.code, int) else 1\n"
+                    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "
+                    "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, rc)\n")
 
 
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def verify_cost(cfg: BenchConfig, work: Path, case: str, progress) -> dict:
-    """One model of the series: the implementation alone training the cells `harness run` verifies
-    (the plain model in one rank, then ours at W ranks, launches and imports included), then
-    `harness run` verifying them; wall times side by side, the run's output directory, and the peak
-    RSS of the largest process of each (RUSAGE_CHILDREN: the largest of every process waited for)."""
-    w, tag = VERIFY_COST_WORLD_SIZE, case.rsplit(":", 1)[-1]
+def verify_cost(cfg: BenchConfig, work: Path, case: str, w: int, progress) -> dict:
+    """One model of the series at W ranks: the implementation alone training the cells `harness run`
+    verifies (the plain model in one rank, then ours at W ranks, launches and imports included),
+    then `harness run` verifying them; wall times side by side, the run's output directory, the
+    peak RSS of the largest process of each (RUSAGE_CHILDREN: the largest of every process waited
+    for) and of the harness's own process (the parent, which holds summaries only)."""
+    tag = f"{case.rsplit(':', 1)[-1]}_w{w}"
     progress(f"bench: verify cost of {case}: training alone (plain W=1, ours W={w}), then harness run")
     train = {}
     for impl, ranks in (("plain", 1), ("ours", w)):
@@ -149,12 +162,12 @@ def verify_cost(cfg: BenchConfig, work: Path, case: str, progress) -> dict:
         ranks_out = json.loads(out.read_text())["ranks"]
         train[impl] = {"wall_s": wall, "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks_out)}
     out_dir = work / f"verify_{tag}"
-    cmd = [sys.executable, "-c", _MAX_RSS_OF_CHILDREN, sys.executable, "-m", "harness", "run", "--cases", case,
-           "--impls", "ours", "--world-sizes", str(w), "--data", "split", "--quiet", "--out", str(out_dir)]
+    cmd = [sys.executable, "-c", _PEAK_RSS_OF_RUN, "run", "--cases", case, "--impls", "ours", "--world-sizes", str(w),
+           "--data", "split", "--quiet", "--out", str(out_dir)]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=cfg.timeout_s * 4)
     wall = time.monotonic() - start
-    rss, rc = (int(x) for x in proc.stdout.strip().splitlines()[-1].split())
+    parent_rss, rss, rc = (int(x) for x in proc.stdout.strip().splitlines()[-1].split())
     if rc != 0:
         raise BenchError(f"harness run --cases {case} exited {rc}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     from cases.catalog import get_case
@@ -164,7 +177,7 @@ def verify_cost(cfg: BenchConfig, work: Path, case: str, progress) -> dict:
     return {"case": case, "parameters": params, "world_size": w, "training_wall_s": training_wall,
             "harness_wall_s": wall, "ratio": wall / training_wall, "output_bytes": _dir_bytes(out_dir),
             "training_peak_rss_bytes": max(t["peak_rss_bytes"] for t in train.values()),
-            "harness_peak_rss_bytes": rss}
+            "harness_peak_rss_bytes": max(rss, parent_rss), "parent_peak_rss_bytes": parent_rss}
 
 
 # glibc serves allocations below a threshold it raises up to 32 MiB as blocks are freed from its
@@ -490,15 +503,18 @@ def render_markdown(result: dict) -> str:
 
 
 def _verify_cost_markdown(rows: list[dict]) -> list[str]:
-    table = [[r["case"].rsplit(":", 1)[-1], f"{r['parameters'] / 1e6:.1f}M", f"{r['training_wall_s']:.0f} s",
-              f"{r['harness_wall_s']:.0f} s", f"{r['ratio']:.1f}x", _mb(r["output_bytes"]),
-              _mb(r["training_peak_rss_bytes"]), _mb(r["harness_peak_rss_bytes"])] for r in rows]
-    return [tabulate(table, headers=["model", "parameters", "training alone", "harness run", "ratio",
-                                     "output dir (MiB)", "training peak RSS (MiB)", "harness peak RSS (MiB)"], tablefmt="github"),
-            "", f"Training alone: the plain model in one rank, then ours at W = {rows[0]['world_size']}, each a "
-            "torchrun launch (imports included); harness run: `--impls ours --world-sizes "
-            f"{rows[0]['world_size']} --data split` of the same case: its wall time, its output directory after the "
-            "run (a passing cell keeps no snapshots) and the largest RSS of any of its processes."]
+    table = [[r["case"].rsplit(":", 1)[-1], f"{r['parameters'] / 1e6:.1f}M", r["world_size"],
+              f"{r['training_wall_s']:.0f} s", f"{r['harness_wall_s']:.0f} s", f"{r['ratio']:.1f}x",
+              _mb(r["output_bytes"]), _mb(r["training_peak_rss_bytes"]), _mb(r["harness_peak_rss_bytes"]),
+              _mb(r["parent_peak_rss_bytes"]) if "parent_peak_rss_bytes" in r else "-"] for r in rows]
+    return [tabulate(table, headers=["model", "parameters", "W", "training alone", "harness run", "ratio",
+                                     "output dir (MiB)", "training peak RSS (MiB)", "harness peak RSS (MiB)",
+                                     "parent peak RSS (MiB)"], tablefmt="github"),
+            "", "Training alone: the plain model in one rank, then ours at W ranks, each a torchrun launch (imports "
+            "included); harness run: `--impls ours --world-sizes W --data split` of the same case: its wall time, "
+            "its output directory after the run (a passing cell keeps no snapshots), the largest RSS of any of its "
+            "processes, and the RSS of the harness's own process (the parent, which judges nothing on the ranks' "
+            "cells and holds their summaries)."]
 
 
 def write_outputs(result: dict, out_dir: Path) -> None:

@@ -178,7 +178,7 @@ class Judge:
                 except Exception as e:
                     init_states[name] = f"initial state {path} unusable: {type(e).__name__}: {e}"
             parameters = {name: (*model_parameters(name), model_buffers(name)) for name in case_names}
-            layout_names = {name: parameter_names(get_case(name).build_model()) for name in case_names}
+            layout_names = {name: parameter_names(get_case(name).build_shapes()) for name in case_names}
             self._inputs = init_states, parameters, layout_names
         return self._inputs
 

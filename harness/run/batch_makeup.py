@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 import weakref
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cases.catalog import get_case
 from cases.data import call_model, local_batch, map_tensors, micro_batches
 from harness.errors import PlanError
+from harness.run.isolated import ChildFailed, run_child
 
 # Relative difference of the float64 losses above which a split is a different run
 # (docs/error_model.md, "Batch makeup"): honest rounding of a forward of depth n stays below
@@ -67,17 +69,21 @@ def splits_of(case_spec: str, world_sizes: tuple[int, ...], data_modes: tuple[st
     return out
 
 
-def check_batch_makeup(case_spec: str, world_sizes: tuple[int, ...], data_modes: tuple[str, ...]) -> list[str]:
+def check_batch_makeup(case_spec: str, world_sizes: tuple[int, ...], data_modes: tuple[str, ...],
+                       isolated: bool = False) -> list[str]:
     """Raise PlanError for the first split of this case whose mean local loss is not the whole
-    batch's; return the notes of a case that could not be measured (empty when measured)."""
+    batch's; return the notes of a case that could not be measured (empty when measured). With
+    `isolated` the float64 model is built and run in a child process (`measured_in_a_child`), so
+    that the caller's memory never holds a copy of a big model."""
     splits = splits_of(case_spec, world_sizes, data_modes)
     if not splits:
         return []
     case = get_case(case_spec)
     if case.missing_requirements():
         return []  # the run reports the missing package itself
-    for split in splits:
-        measured = relative_difference(case_spec, split.world_size, split.grad_accum)
+    measurements = (measured_in_a_child(case_spec, splits) if isolated else
+                    [relative_difference(case_spec, split.world_size, split.grad_accum) for split in splits])
+    for split, measured in zip(splits, measurements):
         if isinstance(measured, str):
             return [f"case={case_spec}: the batch-makeup check did not run ({measured}); whether its loss depends on "
                     f"how the batch is split is not known ([Note: Batch makeup], harness/run/batch_makeup.py)"]
@@ -91,6 +97,18 @@ def check_batch_makeup(case_spec: str, world_sizes: tuple[int, ...], data_modes:
                 f"batch's count), or give the case data_modes=('identical',)"
                 + (" and Features(grad_accum=1)" if split.grad_accum > 1 else ""))
     return []
+
+
+def measured_in_a_child(case_spec: str, splits: list[Split]) -> list[float | str]:
+    """`relative_difference` of every split, computed by a child process (harness/run/isolated.py),
+    or why it could not be."""
+    code = ("import json, sys\n"
+            "from harness.run.batch_makeup import relative_difference\n"
+            "print(json.dumps([relative_difference(sys.argv[1], w, m) for w, m in json.loads(sys.argv[2])]))\n")
+    try:
+        return run_child(code, case_spec, json.dumps([[split.world_size, split.grad_accum] for split in splits]))
+    except ChildFailed as e:
+        return [str(e)] * len(splits)
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,13 +17,13 @@ class EvidenceError(ValueError):
 
 def model_parameters(case_name: str) -> tuple[dict[str, torch.Size], list[str]]:
     """(name -> size of every parameter, names of the trainable ones) of the case's plain model."""
-    params = list(get_case(case_name).build_model().named_parameters())
+    params = list(get_case(case_name).build_shapes().named_parameters())
     return {n: p.shape for n, p in params}, [n for n, p in params if p.requires_grad]
 
 
 def model_buffers(case_name: str) -> dict[str, torch.Size]:
     """name -> size of every buffer of the case's plain model, persistent or not."""
-    return {n: b.shape for n, b in get_case(case_name).build_model().named_buffers()}
+    return {n: b.shape for n, b in get_case(case_name).build_shapes().named_buffers()}
 
 
 def _buffers(what: str, evidence, sizes: dict[str, torch.Size], world_size: int) -> None:

@@ -136,15 +136,15 @@ def parse_csv(value: str, what: str) -> tuple[str, ...]:
     return items
 
 
-def parse_world_sizes(value: str) -> tuple[int, ...]:
+def parse_world_sizes(value: str, flag: str = "world-sizes") -> tuple[int, ...]:
     sizes = []
-    for item in parse_csv(value, "world-sizes"):
+    for item in parse_csv(value, flag):
         try:
             size = int(item)
         except ValueError:
-            raise PlanError(f"--world-sizes: {item!r} is not an integer") from None
+            raise PlanError(f"--{flag}: {item!r} is not an integer") from None
         if size < 1:
-            raise PlanError(f"--world-sizes: world_size={size} must be >= 1")
+            raise PlanError(f"--{flag}: world_size={size} must be >= 1")
         sizes.append(size)
     return tuple(sorted(sizes))
 
@@ -205,8 +205,12 @@ def build_plan(
             case = get_case(name)
             if ":" in name:
                 from cases.user import validate_case
+                from harness.run.isolated import validate_case_in_a_child
 
-                validate_case(case, name)
+                if num_parameters(name) >= JUDGE_ON_RANKS_FROM:  # the parent holds no copy of a big model
+                    validate_case_in_a_child(name)
+                else:
+                    validate_case(case, name)
         except ValueError as e:
             raise PlanError(str(e)) from None
         if case.name in case_names or (":" in name and case.name in CASES):
@@ -317,15 +321,7 @@ JUDGE_ON_RANKS_FROM = 1 << 20
 
 def num_parameters(case_name: str) -> int:
     """The case's plain model's parameter count, built on the meta device (no memory for them)."""
-    import torch
-
-    case = get_case(case_name)
-    try:
-        with torch.device("meta"):
-            model = case.build_model()
-    except Exception:  # a model that cannot be built on meta: built for real
-        model = case.build_model()
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in get_case(case_name).build_shapes().parameters())
 
 
 def _check_cases(cases: tuple[str, ...], adapters: dict, world_sizes: tuple[int, ...],
@@ -340,7 +336,9 @@ def _check_cases(cases: tuple[str, ...], adapters: dict, world_sizes: tuple[int,
     for name in cases:
         case = get_case(name)
         check_param_groups(case, name, adapters)
-        notes += check_batch_makeup(name, world_sizes, data_modes or case.data_modes)
+        # A big model's float64 probe runs in a child process: the parent holds no model.
+        notes += check_batch_makeup(name, world_sizes, data_modes or case.data_modes,
+                                    isolated=num_parameters(name) >= JUDGE_ON_RANKS_FROM)
     return tuple(notes)
 
 
