@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import math
 import weakref
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cases.catalog import get_case
 from cases.data import call_model, local_batch, map_tensors, micro_batches
 from harness.errors import PlanError
-from harness.run.isolated import ChildFailed, run_child
+from harness.run.isolated import ChildFailed, child_checks
 
 # Relative difference of the float64 losses above which a split is a different run
 # (docs/error_model.md, "Batch makeup"): honest rounding of a forward of depth n stays below
@@ -100,15 +99,18 @@ def check_batch_makeup(case_spec: str, world_sizes: tuple[int, ...], data_modes:
 
 
 def measured_in_a_child(case_spec: str, splits: list[Split]) -> list[float | str]:
-    """`relative_difference` of every split, computed by a child process (harness/run/isolated.py),
-    or why it could not be."""
-    code = ("import json, sys\n"
-            "from harness.run.batch_makeup import relative_difference\n"
-            "print(json.dumps([relative_difference(sys.argv[1], w, m) for w, m in json.loads(sys.argv[2])]))\n")
+    """`relative_difference` of every split, computed by a child process (harness/run/isolated.py;
+    the one that validated a user's case, when it measured these splits), or why it could not be."""
     try:
-        return run_child(code, case_spec, json.dumps([[split.world_size, split.grad_accum] for split in splits]))
+        _, measured = child_checks(case_spec, ":" in case_spec, split_key(splits))
     except ChildFailed as e:
         return [str(e)] * len(splits)
+    return measured
+
+
+def split_key(splits: list[Split]) -> tuple[tuple[int, int], ...]:
+    """The (world size, micro-batches) of each split, as the child checks take them."""
+    return tuple((split.world_size, split.grad_accum) for split in splits)
 
 
 @functools.lru_cache(maxsize=None)

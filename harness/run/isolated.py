@@ -7,6 +7,7 @@ path; it prints one JSON value as its last line."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -39,21 +40,37 @@ def run_child(code: str, *args: str) -> object:
     return json.loads(lines[-1])
 
 
-_VALIDATE = ("import json, sys\n"
-             "from cases.catalog import get_case\n"
-             "from cases.user import validate_case\n"
-             "try:\n"
-             "    validate_case(get_case(sys.argv[1]), sys.argv[1])\n"
-             "    print(json.dumps(None))\n"
-             "except ValueError as e:\n"
-             "    print(json.dumps(str(e)))\n")
+_CHECKS = ("import json, sys\n"
+           "from cases.catalog import get_case\n"
+           "from cases.user import validate_case\n"
+           "from harness.run.batch_makeup import relative_difference\n"
+           "spec, validate, splits = sys.argv[1], sys.argv[2] == '1', json.loads(sys.argv[3])\n"
+           "mistake = None\n"
+           "if validate:\n"
+           "    try:\n"
+           "        validate_case(get_case(spec), spec)\n"
+           "    except ValueError as e:\n"
+           "        mistake = str(e)\n"
+           "measured = [] if mistake else [relative_difference(spec, w, m) for w, m in splits]\n"
+           "print(json.dumps([mistake, measured]))\n")
 
 
-def validate_case_in_a_child(spec: str) -> None:
-    """cases/user.py `validate_case` of the case `spec`, run in a child: the same ValueError (its
-    message) for a mistake; a ValueError saying so where the child could not validate."""
+@functools.lru_cache(maxsize=None)
+def child_checks(spec: str, validate: bool, splits: tuple[tuple[int, int], ...]) -> tuple[str | None, list]:
+    """In one child process: cases/user.py `validate_case` of the case `spec` (when `validate`),
+    then, if it found no mistake, harness/run/batch_makeup.py `relative_difference` of each
+    (world size, micro-batches) of `splits`. Returns (the mistake's message or None, the
+    measurements); ChildFailed where the child could not say. Cached: the plan asks twice."""
+    mistake, measured = run_child(_CHECKS, spec, "1" if validate else "0", json.dumps([list(s) for s in splits]))
+    return mistake, measured
+
+
+def validate_case_in_a_child(spec: str, splits: tuple[tuple[int, int], ...] = ()) -> None:
+    """cases/user.py `validate_case` of the case `spec`, run in a child (with the batch-makeup
+    measurements of `splits`, kept for the plan's later check): the same ValueError (its message)
+    for a mistake; a ValueError saying so where the child could not validate."""
     try:
-        mistake = run_child(_VALIDATE, spec)
+        mistake, _ = child_checks(spec, True, splits)
     except ChildFailed as e:
         raise ValueError(f"case {spec!r}: its validation did not run ({e})") from None
     if mistake is not None:

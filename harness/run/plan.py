@@ -208,7 +208,12 @@ def build_plan(
                 from harness.run.isolated import validate_case_in_a_child
 
                 if num_parameters(name) >= JUDGE_ON_RANKS_FROM:  # the parent holds no copy of a big model
-                    validate_case_in_a_child(name)
+                    from harness.run.batch_makeup import split_key, splits_of
+
+                    # One child validates and measures the batch makeup `_check_cases` will ask for.
+                    splits = () if case.missing_requirements() else split_key(
+                        splits_of(name, world_sizes, data_modes or case.data_modes))
+                    validate_case_in_a_child(name, splits)
                 else:
                     validate_case(case, name)
         except ValueError as e:
