@@ -1100,7 +1100,7 @@ def compare_with_reference(rec: dict, ref_rec: dict, u_param: float, split: bool
         if ref_rec["step"] != step:
             raise ValueError(f"reference step {ref_rec['step']} where the cell has step {step}")
         _require_finite("reference parameter", step, ref_rec["params"])
-        deviation = trajectory_deviation(step, rec["params"], ref_rec["params"], u_param, {})
+        deviation = trajectory_deviation(step, rec["params"], ref_rec["params"], u_param)
     except Exception as e:  # raised where the trajectory is taken, after the step's other checks
         return ReferenceComparison(step, ref_loss.item(), row_max, None, {}, e)
     actual_losses = rec["loss"].double().mean().reshape(1) if split else rec["loss"].double()
@@ -1121,8 +1121,9 @@ def _same_parameter_shapes(step: int, params: dict[str, torch.Tensor], ref_param
 
 
 def trajectory_deviation(step: int, params: dict[str, torch.Tensor], ref_params: dict[str, torch.Tensor],
-                         u_param: float, step_layouts: dict) -> TrajectoryDeviation:
-    """The cell's parameters against the reference's at `step`, one segment per parameter."""
+                         u_param: float) -> TrajectoryDeviation:
+    """The cell's parameters against the reference's at `step`, one segment per parameter (owners
+    None: the judge, which has the cell's layouts, names them, `CellJudge.take_trajectory`)."""
     names = list(params)
     _same_parameter_shapes(step, params, ref_params)
     cell, ref = [params[n] for n in names], [ref_params[n] for n in names]
@@ -1136,8 +1137,8 @@ def trajectory_deviation(step: int, params: dict[str, torch.Tensor], ref_params:
     at = seg.argmax(deviation)
     values = torch.stack([cell_flat[at], ref_flat[at]]).tolist()
     index = [flat_index - seg.offsets[s] for s, flat_index in enumerate(at.tolist())]
-    owners = [owner_of(step_layouts.get(n), size, i) for n, size, i in zip(names, seg.sizes, index)]
-    return TrajectoryDeviation(step, names, seg.sizes, deviation[at], index, values[0], values[1], floor, owners)
+    return TrajectoryDeviation(step, names, seg.sizes, deviation[at], index, values[0], values[1], floor,
+                               [None] * len(names))
 
 
 def trajectory_envelope(ref_params: dict[str, torch.Tensor], perturbed_params: list[dict[str, torch.Tensor]]

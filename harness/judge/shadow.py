@@ -367,18 +367,18 @@ class Shadow:
         return hyper
 
     def perturbed_step(self, params_before: dict[str, torch.Tensor], batch: Batch,
-                       noise: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                       noise: dict[str, torch.Tensor], subtract: bool = False) -> dict[str, torch.Tensor]:
         """One step of a perturbed reference run (harness/run/worker.py PerturbedRuns): the whole
         batch's exact gradient at `params_before` plus `noise` (float64 per gradient: a sign times
-        `noise_amplitude`), clipped as the case clips and stepped; returns the parameters after it."""
+        `noise_amplitude`; minus it with `subtract`, the antithetic run), clipped as the case clips
+        and stepped; returns the parameters after it."""
         with torch.no_grad():
             for name, p in self.params.items():
                 p.copy_(params_before[name])
-        self._reorder_seed += 1
         _, grads, _, _ = self._terms(batch, "identical", 1, self.num_micro, reorder=False)
         for name, g in grads.items():
             if name in noise:
-                grads[name] = g + noise[name].to(g.device)
+                grads[name] = g - noise[name].to(g.device) if subtract else g + noise[name].to(g.device)
         self._optimizer_step(grads, None)
         return {n: p.detach().cpu().clone() for n, p in self.params.items()}
 

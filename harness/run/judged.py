@@ -123,7 +123,8 @@ class RankJudge:
             if isinstance(ref, dict):  # the reference's record, trained here: compared here
                 ref = compare_with_reference(rec, ref, self.judge.step_bounds.u_param, split, order)
             if self.perturbed is not None:  # the cell is the reference: its parameters before the step are
-                self.envelopes.append(trajectory_envelope(rec["params"], self.perturbed(step, self._before)))
+                runs = self.perturbed(step, self._before)  # none: the team's other ranks step them
+                self.envelopes.append(trajectory_envelope(rec["params"], runs) if runs else {})
             self._before = rec["params"]
             self.steps.append(step)
             row = trajectory_row(rec, order, split)

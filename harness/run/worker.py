@@ -537,8 +537,7 @@ class PerturbedRuns:
                         for n, a in amplitude.items()}
                  for pair, g in sorted(self.generators.items())}
         del amplitude
-        self.params = [shadow.perturbed_step(params, batch, noise[(seed + 1) // 2] if seed % 2 else
-                                             {n: -t for n, t in noise[(seed + 1) // 2].items()})
+        self.params = [shadow.perturbed_step(params, batch, noise[(seed + 1) // 2], subtract=seed % 2 == 0)
                        for seed, shadow, params in zip(self.seeds, self.shadows, self.params)]
         self.steps = step
         return self.params
