@@ -1083,6 +1083,14 @@ class ReferenceComparison:
     per_step: dict[str, DiffStats]
     error: Exception | None = None
 
+    def to(self, device: torch.device) -> ReferenceComparison:
+        """The same comparison with its tensors on `device` (a rank sends it as CPU tensors)."""
+        dev = self.deviation
+        if dev is not None:
+            dev = replace(dev, deviation=dev.deviation.to(device), floor=dev.floor.to(device))
+        return replace(self, row_max=None if self.row_max is None else self.row_max.to(device),
+                       deviation=dev)
+
 
 def compare_with_reference(rec: dict, ref_rec: dict, u_param: float, split: bool,
                            order: list[str] | None = None) -> ReferenceComparison:

@@ -34,6 +34,7 @@ cells both ways and compares every margin, violation and per-step figure.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import traceback
 from dataclasses import asdict
@@ -48,6 +49,50 @@ from harness.judge.layouts import LayoutError, check_step_layouts, parameter_nam
 from harness.run.evidence import EvidenceError, check_init_evidence, check_step_evidence
 from harness.run.plan import Cell
 from harness.run.snapshot import JUDGED_FORMAT
+
+
+# [Note: Judged on the evidence's device]
+# A rank judges on its own device: the replay's records, the cell's gathered parameters and
+# gradients, the lock-step reference and the perturbed runs stay where they were computed, and the
+# judge's tensors are made there too (`on_device`: torch's default device for the judge's
+# factories). On a GPU the judge's float64 passes over the model then cost what the training's
+# passes cost, instead of running on one pinned CPU thread after a copy of every tensor (a
+# 124M-parameter GPT-2 on an H200: training takes seconds, a CPU judge did not finish in 200 s).
+# What leaves the rank (the comparison rank 1 sends, the envelopes, the record for the parent)
+# goes as CPU tensors: a few numbers per parameter. Code of the case's (its batches, its model in
+# the lock-step reference, the perturbed runs and the replay's reordered passes) runs under the
+# rank's own default device, as in training (`outside`): a case's CPU generator, say, stays valid.
+# On the CPU nothing moves and nothing changes.
+
+
+def on_device(device: torch.device):
+    """The context a judge computes in on `device`: factories without a device make their tensors
+    there ([Note: Judged on the evidence's device]); nothing on the CPU."""
+    return contextlib.nullcontext() if device.type == "cpu" else torch.device(device)
+
+
+def outside(fn: Callable | None, device: torch.device) -> Callable | None:
+    """`fn` called under the rank's default device of now, out of a judge's `on_device`: the
+    case's code runs as it runs in training ([Note: Judged on the evidence's device])."""
+    if fn is None or device.type == "cpu":
+        return fn
+    default = torch.get_default_device()
+
+    def call(*args, **kwargs):
+        with torch.device(default):
+            return fn(*args, **kwargs)
+    return call
+
+
+def record_on(obj, device: torch.device):
+    """`obj`'s tensors on `device` (containers rebuilt, values kept)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to(device)
+    if isinstance(obj, dict):
+        return {k: record_on(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [record_on(v, device) for v in obj]
+    return obj
 
 
 class RankJudge:
@@ -65,17 +110,20 @@ class RankJudge:
     def __init__(self, cell: Cell, spec: OptimizerSpec, case: Case, header: dict, plain: torch.nn.Module,
                  init_state: dict[str, torch.Tensor], init_buffers: dict[str, torch.Tensor],
                  reference: Callable[[int], dict | ReferenceComparison] | None = None,
-                 perturbed: Callable[[int, dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] | None = None
-                 ) -> None:
+                 perturbed: Callable[[int, dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] | None = None,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.cell, self.kind = cell, spec.kind
+        self.device = device  # where the evidence is, and the judge computes
         self.header = header
         params = list(plain.named_parameters())
         self.sizes = {n: p.shape for n, p in params}
         self.grad_names = [n for n, p in params if p.requires_grad]
         self.buffer_sizes = {n: b.shape for n, b in plain.named_buffers()}
         self.layout_sizes, self.aliases = parameter_names(plain)
-        self.judge = CellJudge(header, {n: init_state[n] for n in self.sizes}, case, init_buffers)
-        self.reference, self.perturbed = reference, perturbed
+        with on_device(device):
+            self.judge = CellJudge(header, record_on({n: init_state[n] for n in self.sizes}, device), case,
+                                   record_on(init_buffers, device))
+        self.reference, self.perturbed = outside(reference, device), outside(perturbed, device)
         self.error: str | None = None
         self.steps: list[int] = []
         self.envelopes: list[dict[str, torch.Tensor]] = []
@@ -90,7 +138,8 @@ class RankJudge:
         if self.error is not None:
             return
         try:
-            what()
+            with on_device(self.device):
+                what()
         except EvidenceError as e:
             self.error = f"incomplete evidence: optimizer={self.kind}: {e}"
         except LayoutError as e:  # [Note: Layout validation]
@@ -101,6 +150,8 @@ class RankJudge:
             self.error = f"the checks of optimizer={self.kind} raised (no verdict):\n{traceback.format_exc()}"
 
     def start(self, init: dict) -> None:
+        init = record_on(init, self.device)
+
         def run() -> None:
             check_init_evidence(init, self.sizes, self.buffer_sizes, self.cell.world_size)
             self.judge.start(init)
@@ -109,6 +160,10 @@ class RankJudge:
 
     def take(self, rec: dict) -> None:
         """One step's record: checked, judged, its trajectory figures kept; then it may go."""
+        rec = record_on(rec, self.device)  # the raw shards were gathered to the CPU
+        if rec.get("shadow", {}).get("reorder_later") is not None:
+            rec["shadow"]["reorder_later"] = outside(rec["shadow"]["reorder_later"], self.device)
+
         def run() -> None:
             step = rec["step"]
             if step != len(self.steps) + 1:
@@ -121,18 +176,19 @@ class RankJudge:
             split = self.cell.data_mode == "split"
             ref = self.reference(step) if self.reference is not None else None
             if isinstance(ref, dict):  # the reference's record, trained here: compared here
-                ref = compare_with_reference(rec, ref, self.judge.step_bounds.u_param, split, order)
+                ref = compare_with_reference(rec, record_on(ref, self.device), self.judge.step_bounds.u_param,
+                                             split, order)
             if self.perturbed is not None:  # the cell is the reference: its parameters before the step are
-                runs = self.perturbed(step, self._before)  # none: the team's other ranks step them
+                runs = record_on(self.perturbed(step, self._before), self.device)  # none: the team's other ranks step them
                 self.envelopes.append(trajectory_envelope(rec["params"], runs) if runs else {})
             self._before = rec["params"]
             self.steps.append(step)
             row = trajectory_row(rec, order, split)
-            self._digest.update(row.numpy().tobytes())
+            self._digest.update(row.cpu().numpy().tobytes())
             self.finite = self.finite and bool(torch.isfinite(row).all())
             del row
             if ref is not None:  # NaN propagates, as in the parent's matrices
-                self.vs_reference = torch.maximum(self.vs_reference, ref.row_max)
+                self.vs_reference = torch.maximum(self.vs_reference, ref.row_max.to(self.vs_reference.device))
             # Once the cell went non-finite the judge stops (the first divergence is named); the
             # reference and the matrices' rows go on, as over a snapshot.
             if not self.stopped and not self.judge.step(rec, comparison=ref):
@@ -148,11 +204,12 @@ class RankJudge:
                 result = result_to_record(self.judge.finish(None))
                 trajectory = [dev.to_record() for dev in self.judge.trajectory]
             self._guard(run)
-        return {"format": JUDGED_FORMAT, "run_id": run_id, "cell": self.cell.to_json(), "optimizer": self.kind,
-                "init_digest": self.header["init_digest"],
-                "world_size": self.cell.world_size, "steps": self.steps, "error": self.error,
-                "result": result if self.error is None else None, "trajectory": trajectory,
-                "envelopes": self.envelopes if self.perturbed is not None else None,
-                "gathered_mismatches": self.mismatches,
-                "matrix": {"vs_reference": float(self.vs_reference), "digest": self._digest.hexdigest(),
-                           "finite": self.finite}}
+        record = {"format": JUDGED_FORMAT, "run_id": run_id, "cell": self.cell.to_json(), "optimizer": self.kind,
+                  "init_digest": self.header["init_digest"],
+                  "world_size": self.cell.world_size, "steps": self.steps, "error": self.error,
+                  "result": result if self.error is None else None, "trajectory": trajectory,
+                  "envelopes": self.envelopes if self.perturbed is not None else None,
+                  "gathered_mismatches": self.mismatches,
+                  "matrix": {"vs_reference": float(self.vs_reference), "digest": self._digest.hexdigest(),
+                             "finite": self.finite}}
+        return record_on(record, torch.device("cpu"))

@@ -33,7 +33,7 @@ from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
 from harness.judge.diff import PARAM_UNIT_ROUNDOFF, ReferenceComparison, compare_with_reference, trajectory_envelope
-from harness.run.judged import RankJudge
+from harness.run.judged import RankJudge, on_device, record_on
 from harness.run.plan import REFERENCE_IMPL, Cell
 from harness.run.rank import pick_evidence, pick_grads, rank_epilogue, rank_prologue, replica_digests, train_step
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
@@ -273,7 +273,7 @@ class LockStepReference:
                                              faults=(), is_reference=True, impl_name="")
         self.adapter: Adapter = dist_faults.planted(resolve_impl(REFERENCE_IMPL), ())
         self.ctx = replace(RankContext(0, 1, None, device), features=case.features, faults=frozenset())
-        plain = case.build_model()
+        plain = case.build_shapes()  # names and structure
         self.names = [n for n, _ in plain.named_parameters()]
         self.grad_names = [n for n, p in plain.named_parameters() if p.requires_grad]
         self.known_names = {n for n, _ in plain.named_parameters(remove_duplicate=False)}
@@ -292,22 +292,11 @@ class LockStepReference:
         if self.scheduler is not None:
             self.scheduler.step()
         params = _pick(adapter.full_params(wrapped), self.names, "full_params", ctx, self.cell)
-        return {"step": step, "loss": loss.detach().reshape(1).cpu(), "grads": _cpu(grads), "params": _cpu(params)}
+        return {"step": step, "loss": loss.detach().reshape(1), "grads": _detached(grads), "params": _detached(params)}
 
 
-def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: t.detach().cpu() for n, t in tensors.items()}
-
-
-def _cpu_record(obj):
-    """A record's tensors on the CPU, where the judge computes (containers rebuilt, values kept)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _cpu_record(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cpu_record(v) for v in obj]
-    return obj
+def _detached(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.detach() for n, t in tensors.items()}
 
 
 def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], world: RankContext,
@@ -325,7 +314,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     ctx = replace(ctx, features=features, faults=frozenset(cell.faults))
     if features.refused_wrap and adapter.refuses_cross_unit_ties:
         _check_refused_wrap(case, adapter, ctx)
-    plain = case.build_model()
+    # names and structure; the values of the buffers, where they are not given
+    plain = case.build_shapes() if init_buffers is not None else case.build_model()
     names = [n for n, _ in plain.named_parameters()]
     grad_names = [n for n, p in plain.named_parameters() if p.requires_grad]
     known_names = {n for n, _ in plain.named_parameters(remove_duplicate=False)}
@@ -336,7 +326,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     optim = _make_optimizer(adapter, wrapped, spec, case, ctx, cell, set(names))
     scheduler = spec.build_scheduler(optim)
     is_writer = world.rank == 0
-    shadow = Shadow(case, spec, init_state, ctx.device, init_buffers=init_buffers) if is_writer else None
+    shadow = (Shadow(case, spec, init_state, ctx.device, init_buffers=init_buffers,
+                     record_device=ctx.device if judge_here else torch.device("cpu")) if is_writer else None)
     reshard_steps = features.checkpoint_reshard_at if adapter.reshards_checkpoints else ()
 
     layouts = adapter.layouts(wrapped)  # after make_optimizer: an engine may shard only then
@@ -357,14 +348,14 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         reference = perturbed = None
         if cell.is_reference:
             seeds = perturbed_seeds(0, team_size)  # none here: the team's other ranks step them all
-            runs = PerturbedRuns(case, spec, init_state, seeds, ctx.device, init_buffers) if seeds else None
+            runs = PerturbedRuns(case, spec, init_state, seeds, ctx.device, init_buffers, ctx.device) if seeds else None
             def perturbed(step, before, runs=runs):
                 return runs.step(step, before) if runs is not None else []
         elif reference_rank:
             reference = references.pop
         else:
             reference = LockStepReference(cell, spec, init_state, init_buffers, ctx.device).step
-        judge = RankJudge(cell, spec, case, header, plain, init_state, init_buffers, reference, perturbed)
+        judge = RankJudge(cell, spec, case, header, plain, init_state, init_buffers, reference, perturbed, ctx.device)
     init_params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
     # Buffers are whole on every rank: rank 0's recorded, every rank's digested ([Note: Buffers]).
     init_bufs = _pick(adapter.full_buffers(wrapped), buffer_names, "full_buffers", ctx, cell)
@@ -404,7 +395,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                                             clip_norm=clip_norm),
                       "layouts": adapter.layouts(wrapped)}
         if helper is not None:
-            to_compare[step] = ({"step": step, "grads": _cpu(grads), "params": _cpu(params)}, helper.step(step))
+            to_compare[step] = ({"step": step, "grads": _detached(grads), "params": _detached(params)},
+                                record_on(helper.step(step), ctx.device))
         pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests, clip_norm),
                         len(replicas["names"]), record))
         params_before, buffers_before = params, buffers
@@ -414,8 +406,10 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                 comparisons = []
                 for (taken, *_), ev in zip(pending, gathered):
                     cell_rec, ref_rec = to_compare.pop(taken)
-                    comparisons.append(compare_with_reference({**cell_rec, "loss": ev.losses}, ref_rec,
-                                                              PARAM_UNIT_ROUNDOFF, cell.data_mode == "split", names))
+                    with on_device(ctx.device):
+                        comparison = compare_with_reference({**cell_rec, "loss": ev.losses.to(ctx.device)}, ref_rec,
+                                                            PARAM_UNIT_ROUNDOFF, cell.data_mode == "split", names)
+                    comparisons.append(comparison.to(torch.device("cpu")))  # sent as bytes
                 dist.send_object_list([comparisons], dst=0, group=ctx.group)
                 del comparisons
             elif judge is not None and reference_rank:
@@ -427,8 +421,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                 if taken == 1:
                     init_buffer_digests = ev.digests[:, num_replicas + len(buffer_names):]
                     if judge is not None:
-                        judge.start({"params": _cpu(init_params),
-                                     "buffers": Buffers(_cpu(init_bufs), init_buffer_digests).to_dict()})
+                        judge.start({"params": _detached(init_params),
+                                     "buffers": Buffers(_detached(init_bufs), init_buffer_digests).to_dict()})
                 if record:
                     rec = StepRecord(
                         taken, ev.losses, record["grads"], record["params"], Buffers(record["buffers"], buffer_digests),
@@ -439,7 +433,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                     if judge is None:
                         steps.append(rec)
                     else:  # judged now, and let go
-                        judge.take(_cpu_record(rec.to_dict()))
+                        judge.take(rec.to_dict())
             pending, gathered = [], []
         if step in reshard_steps:
             shard_size = max(1, ctx.world_size // 2 ** (reshard_steps.index(step) + 1))
@@ -480,11 +474,14 @@ def perturbed_envelopes(cell: Cell, spec: OptimizerSpec, init_state: dict[str, t
     cell's rank 0 computes it for its own seeds; the max of the two is the envelope of all."""
     case = get_case(cell.case)
     reference = LockStepReference(cell, spec, init_state, init_buffers, device)
-    runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers)
+    runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers, device)
     envelopes, before = [], init_state
     for step in range(1, cell.steps + 1):
-        params = reference.step(step)["params"]
-        envelopes.append(trajectory_envelope(params, runs.step(step, before)))
+        params = record_on(reference.step(step)["params"], device)
+        runs_params = record_on(runs.step(step, before), device)  # the case's code: out of on_device
+        with on_device(device):
+            envelope = trajectory_envelope(params, runs_params)
+        envelopes.append({n: e.cpu() for n, e in envelope.items()})  # sent as bytes
         before = params
     return envelopes
 
@@ -512,12 +509,14 @@ class PerturbedRuns:
     pushed the full amplitude in the direction an honest cell may have gone."""
 
     def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], seeds: list[int],
-                 device: torch.device, init_buffers: dict[str, torch.Tensor] | None = None) -> None:
+                 device: torch.device, init_buffers: dict[str, torch.Tensor] | None = None,
+                 record_device: torch.device = torch.device("cpu")) -> None:
         self.case, self.seeds = case, list(seeds)
         self.measure = Shadow(case, spec, init_state, device, init_buffers=init_buffers)
-        self.shadows = [Shadow(case, spec, init_state, device, init_buffers=init_buffers) for _ in self.seeds]
+        self.shadows = [Shadow(case, spec, init_state, device, init_buffers=init_buffers, record_device=record_device)
+                        for _ in self.seeds]
         self.generators = {pair: torch.Generator().manual_seed(pair) for pair in {(s + 1) // 2 for s in self.seeds}}
-        initial = {n: p.detach().cpu().clone() for n, p in self.measure.params.items()}
+        initial = {n: p.detach().to(record_device).clone() for n, p in self.measure.params.items()}
         self.params = [initial] * len(self.seeds)
         self.steps = 0
 
