@@ -45,6 +45,12 @@ FAULTS: dict[str, str] = {
                   "gradients and clips by it again (a scale of 1 - 1e-6 / max_norm where clipping acted)",
     "clip_norm_world_group": "clip_grad_norm_ sums the shards' norms over the whole world instead of the shard "
                              "group: under HSDP every replica counts again (the norm sqrt(R) times too large)",
+    "grad_sync_every_micro": "set_requires_gradient_sync(False) is ignored: every micro-batch of an accumulated "
+                             "step reduce-scatters its gradients (M times the traffic; the sum is the same)",
+    "reshard_after_forward_ignored": "reshard_after_forward=False is ignored: parameters are resharded after forward "
+                                     "and all-gathered again in backward (ZeRO-3 where ZeRO-2 was configured)",
+    "mesh_dims_swapped": "a 2-D mesh is read as (shard, replicate) instead of (replicate, shard): NO_SHARD's (W, 1) "
+                         "mesh shards over every rank",
     "reduce_at_last_gradient": "a unit starts its reduction when its last view gets a gradient on this rank (or at "
                                "the end of backward), a moment ranks that give different parameters a gradient "
                                "do not share: their collectives fall out of step",

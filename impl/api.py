@@ -140,6 +140,8 @@ def fully_shard(
         if process_group is not None or replicate_group is not None:
             raise ValueError("fully_shard: pass either mesh or process_group/replicate_group, not both")
         process_group, replicate_group = _groups_from_mesh(mesh)
+        if "mesh_dims_swapped" in faults and replicate_group is not None:
+            process_group, replicate_group = replicate_group, process_group
     elif process_group is None and dist.is_available() and dist.is_initialized():
         process_group = dist.group.WORLD
     process_group, replicate_group = _drop_trivial(process_group), _drop_trivial(replicate_group)
@@ -178,7 +180,7 @@ def fully_shard(
     unit = FSDPUnit(
         module,
         handles,
-        reshard_after_forward=reshard_after_forward,
+        reshard_after_forward=reshard_after_forward or "reshard_after_forward_ignored" in faults,
         cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
     )
     module.__dict__["_fsdp_unit"] = unit

@@ -11,6 +11,8 @@ import csv
 from pathlib import Path
 
 from cases.catalog import get_case
+from harness.adapters.registry import resolve_impl
+from harness.judge.contracts import active_contracts
 from harness.judge.diff import check_snapshot
 from harness.judge.result import CHECK_ORDER, Violation
 
@@ -39,7 +41,8 @@ def steps_recorded(out: Path) -> dict[tuple[str, str], dict[str, list[int]]]:
 def assert_judged(out: Path, cell: dict, steps: int, padding: bool) -> None:
     """`cell` (a summary.json row of the run in `out`) was judged with every optimizer of its case
     on steps 1..`steps` (a loss and every tolerance check at each step), and every check compared
-    elements (buffers: when the case's model has any; clip: when the case clips). `padding`: whether the cell has padded raw shards (impl=ours and its subclasses,
+    elements (buffers: when the case's model has any; clip: when the case clips; contract: when a
+    feature of the case at its world size is a contract its adapter keeps). `padding`: whether the cell has padded raw shards (impl=ours and its subclasses,
     except ZeRO-1, whose parameters stay whole); fsdp2 and the plain module expose none, and there
     the padding check must have compared nothing. A cell whose bias check the judge turned off from
     step 1 (its `bias_not_applied` note: a reordered local backward) compared nothing there."""
@@ -47,6 +50,8 @@ def assert_judged(out: Path, cell: dict, steps: int, padding: bool) -> None:
     bias_off = (cell.get("bias_not_applied") or "").startswith("bias check off from step 1:")
     has_buffers = any(True for _ in get_case(cell["case"]).build_model().buffers())
     clips = get_case(cell["case"]).features.clip_norm_type is not None
+    held = bool(active_contracts(get_case(cell["case"]).features, int(cell["world_size"]),
+                                 resolve_impl(cell["impl"]).contracts))
     assert sorted(cell["optimizers"]) == kinds and sorted(cell["checks"]) == kinds, (cell["cell_id"], cell["optimizers"])
     recorded = steps_recorded(out)
     for kind in kinds:
@@ -62,6 +67,8 @@ def assert_judged(out: Path, cell: dict, steps: int, padding: bool) -> None:
                 assert elements == 0, (cell["cell_id"], kind, "buffers compared elements of a model without any")
             elif check == "clip" and not clips:
                 assert elements == 0, (cell["cell_id"], kind, "clip compared elements of a case that does not clip")
+            elif check == "contract" and not held:
+                assert elements == 0, (cell["cell_id"], kind, "contract compared elements of a cell held to none")
             else:
                 assert elements > 0, (cell["cell_id"], kind, check, "compared nothing")
         per_step = recorded.get((cell["cell_id"], kind), {})

@@ -157,7 +157,7 @@ def test_honest_runs_install_nothing_and_faults_reach_only_the_training_step():
     planted.wrap(None, (), ctx)
     assert adapter.contexts[-1].faults == {"no_grad_average"}
     assert planted.forward_backward() is not untouched["allreduce"]  # armed inside the step
-    assert planted.name == "recorder" and all(ProcessGroup.__dict__[n] is untouched[n] for n in dist_faults._METHODS
+    assert planted.name == "recorder" and all(ProcessGroup.__dict__[n] is untouched[n] for n in dist_faults.COLLECTIVE_METHODS
                                                if n in untouched)
 
 

@@ -176,6 +176,10 @@ class Adapter:
     # fresh processes per world size instead of sharing the run's one launch ([Note: One launch,
     # every world size] in harness/run/orchestrate.py).
     process_per_world: ClassVar[bool] = False
+    # The contracts of harness/judge/contracts.py this implementation keeps: the cells where their
+    # feature is on are held to them ([Note: Contracts]). None by default: an adapter whose
+    # collectives the seam cannot see, or that reduces on a schedule of its own, declares none.
+    contracts: ClassVar[frozenset[str]] = frozenset()
 
     # -- required ---------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from harness.adapters.base import Adapter, Padding, RawShard, plain_name
 
 class FSDP1(Adapter):
     name = "fsdp1"
+    contracts = frozenset({"gradient_sync_off", "no_gather_in_backward", "unsharded"})
     param_padding = Padding.UNSPECIFIED  # alignment padding filled with 42
     grad_padding = Padding.ZERO
 

@@ -50,6 +50,9 @@ FAULT_CASES = {
     "unused_params_stepped": ("unused_head",),
     "clip_twice": ("clip_grad_norm",),
     "clip_norm_world_group": ("hybrid_shard_clip",),
+    "grad_sync_every_micro": ("grad_accumulation",),  # the contracts' ([Note: Contracts])
+    "reshard_after_forward_ignored": ("reshard_after_forward_false",),
+    "mesh_dims_swapped": ("no_shard",),
 }
 # Real architectures (cases/architectures.py): every fault runs on each too, honestly and planted,
 # and the per-case table shows it caught on each. A fault that acts only under a feature a case
@@ -65,6 +68,9 @@ FAULT_NEEDS = {
     "reduce_at_last_gradient": "a parameter one rank's batch gives a gradient and another's does not (split data)",
     "clip_twice": "gradient-norm clipping",
     "clip_norm_world_group": "gradient-norm clipping under HSDP (replicated shards)",
+    "grad_sync_every_micro": "gradient accumulation",
+    "reshard_after_forward_ignored": "reshard_after_forward=False",
+    "mesh_dims_swapped": "a 2-D mesh (HSDP or NO_SHARD)",
 }
 
 
@@ -90,6 +96,9 @@ def fault_cannot_act(fault: str, case_name: str) -> str | None:
         "reduce_at_last_gradient": lambda: _has_rank_dependent_gradient(case),
         "clip_twice": lambda: features.clip_norm_type is not None,
         "clip_norm_world_group": lambda: features.clip_norm_type is not None and features.mesh == "hybrid",
+        "grad_sync_every_micro": lambda: features.grad_accum > 1,
+        "reshard_after_forward_ignored": lambda: not features.reshard_after_forward,
+        "mesh_dims_swapped": lambda: features.mesh != "shard",
     }
     if fault in ("tied_param_duplicated", "buffers_zeroed_at_wrap", "unused_params_stepped",
                  "reduce_at_last_gradient") and case.missing_requirements():

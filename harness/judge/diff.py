@@ -32,6 +32,7 @@ import torch
 from cases.catalog import Case, get_case
 from cases.features import DTYPES
 from harness.judge.layouts import first_bit_difference
+from harness.judge.contracts import contract_violations
 from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, CLIP_NORM, GRAD_STATISTICS, RUN_UPDATE_STATISTICS,
                                   UPDATE_STATISTICS, Judgement, Violation, first_of, nan_max)
 from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, sign_counts
@@ -553,6 +554,7 @@ class CellJudge:
         self.init_buffers = init_buffers
         self.layouts = header["layouts"]
         self.padding = header["padding"]  # the adapter's declared convention (harness/adapters/base.py, Padding)
+        self.contracts = tuple(header.get("contracts", ()))  # [Note: Contracts] in harness/judge/contracts.py
         self.result = OptimizerResult(self.kind)
         self.stats = {c: CheckStats() for c in CHECK_ORDER}
         self.stats["grad"].u = self.step_bounds.reduction.u
@@ -904,6 +906,15 @@ class CellJudge:
                     viol.append(Violation(kind, step, "padding", key, float("inf"), abs(pad[first].item()), 0.0,
                                           pad[first].item(), 0.0, index=int(at[first]), rank=r, in_padding=True,
                                           num_violating=int((pad != 0).sum().item())))
+
+        # contract: each configured feature did what it promises to the collectives
+        if self.contracts:
+            if rec.get("collectives") is None:
+                raise ValueError(f"step {step}: no collectives recorded for the contracts {list(self.contracts)}")
+            broken = contract_violations(kind, step, self.contracts, rec["collectives"].tolist(),
+                                         sum(g.numel() for g in shadow["grads"].values()))
+            stats["contract"].add(len(self.contracts) * rec["collectives"].shape[0], math.inf if broken else 0.0)
+            viol.extend(broken)
 
         # trajectory: the free-running cell vs the free-running reference (judged in `finish`)
         if comparison is not None:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from harness.judge.tolerance import BIAS_FALSE_ALARM
 
 CHECK_ORDER = ("nonfinite", "init", "loss", "buffers", "grad", "clip", "param", "bias", "replicas", "padding",
-               "trajectory")
+               "contract", "trajectory")
 BOUNDED = ("grad", "param", "trajectory")  # a worst-case bound or an envelope: honest margins stay below 1 (docs/error_model.md)
 JUDGED = ("grad", "param", "bias", "trajectory")  # the checks with a non-zero tolerance (bias: a sign test)
 
@@ -87,6 +87,13 @@ class Violation:
                       f": actual={self.actual!r} expected={self.expected!r} ({self.num_violating} element(s) differ)")
             return (f"{cell_id} optimizer={self.optimizer} step={self.step} buffers: buffer {where} on rank "
                     f"{self.rank} differs bitwise from {what}{values}")
+        if self.check == "contract":
+            from harness.judge.contracts import CONTRACTS  # it imports this module
+
+            limit = f"fewer than {self.expected:.0f}" if self.expected else "none"
+            return (f"{cell_id} optimizer={self.optimizer} step={self.step} contract: '{self.name}' broken on rank "
+                    f"{self.rank}: {CONTRACTS[self.name].promise}; counted {self.actual:.0f} where the contract allows "
+                    f"{limit}: the feature was not applied as configured")
         if self.check == "bias":
             count = round(self.actual * self.num_violating)
             return (f"{cell_id} optimizer={self.optimizer} step={self.step} bias: {where}: {count} of its "

@@ -52,7 +52,7 @@ NEVER_ACTED = "never acted"
 # flags, norms of inf) are left alone.
 _SUMMING = (dist.ReduceOp.RedOpType.SUM, dist.ReduceOp.RedOpType.AVG, dist.ReduceOp.RedOpType.PREMUL_SUM)
 # ProcessGroup method -> (kind, how its arguments hold outputs and inputs); see _outputs / _zeroed.
-_METHODS = {
+COLLECTIVE_METHODS = {
     "allreduce": ("reduce", "inplace"),
     "allreduce_coalesced": ("reduce", "inplace"),
     "reduce_scatter_single": ("reduce", "tensor"),
@@ -92,22 +92,22 @@ def check_faults(faults: Iterable[str], impls: Iterable[str]) -> None:
                         f"{','.join(impls)}; the collective faults {sorted(DIST_FAULTS)} apply to any implementation")
 
 
-def _is_summing(opts) -> bool:
+def is_summing(opts) -> bool:
     if opts is None:  # the default options: a sum
         return True
     op = getattr(opts, "reduceOp", opts)  # an options object, or a bare ReduceOp in the older overloads
     return getattr(op, "op", op) in _SUMMING
 
 
-def _flat(xs) -> list[torch.Tensor]:
+def flat_tensors(xs) -> list[torch.Tensor]:
     if isinstance(xs, torch.Tensor):
         return [xs]
-    return [t for x in xs for t in _flat(x)]
+    return [t for x in xs for t in flat_tensors(x)]
 
 
 def _outputs(layout: str, args: tuple) -> list[torch.Tensor]:
     """Every tensor the collective writes, flattened (in-place ones: the inputs themselves)."""
-    return _flat(args[0])
+    return flat_tensors(args[0])
 
 
 def _rotate(kind_layout: str, args: tuple, world_size: int) -> None:
@@ -115,7 +115,7 @@ def _rotate(kind_layout: str, args: tuple, world_size: int) -> None:
     if kind_layout == "tensor":
         outs = [args[0]]
     elif isinstance(args[0], torch.Tensor) or all(isinstance(o, torch.Tensor) for o in args[0]):
-        outs = _flat(args[0])  # coalesced: one concatenated output per input
+        outs = flat_tensors(args[0])  # coalesced: one concatenated output per input
     else:
         for per_input in args[0]:  # list form: one list of W tensors per input
             values = [t.clone() for t in per_input]
@@ -143,7 +143,7 @@ class CollectiveFaults:
     def armed(self) -> Iterator[None]:
         """The process group's collectives carry the faults while inside (re-entrant)."""
         if self._depth == 0:
-            for name in _METHODS:
+            for name in COLLECTIVE_METHODS:
                 if name in ProcessGroup.__dict__:
                     # The class's own entry goes back on exit (pybind11 wraps it to bind self);
                     # getattr gives the unbound function the faulty one calls with the group.
@@ -160,7 +160,7 @@ class CollectiveFaults:
                 self._originals.clear()
 
     def _faulty(self, name: str, original):
-        kind, layout = _METHODS[name]
+        kind, layout = COLLECTIVE_METHODS[name]
         plant = self
 
         def collective(group, *args, **kwargs):
@@ -179,9 +179,9 @@ class CollectiveFaults:
                 work.wait()  # the output is complete only now
             _rotate(layout, args, group.size())
             self.acted["dist_rotate_all_gather"] += 1
-            return _Delivered.of(work, _flat(args[0]))
+            return _Delivered.of(work, flat_tensors(args[0]))
         outputs = [t for t in _outputs(layout, args)]
-        if not (_is_summing(opts) and outputs and all(t.is_floating_point() for t in outputs)):
+        if not (is_summing(opts) and outputs and all(t.is_floating_point() for t in outputs)):
             return original(group, *args, **kwargs)
         if "dist_drop_last_rank" in self.faults:
             self.acted["dist_drop_last_rank"] += 1

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from harness.adapters.base import Adapter, RankContext, takes_after_clip
 from harness.judge.shadow import forward_backward
 from harness.run import dist_faults, lifeline
+from harness.run.collectives import CollectiveLedger, window
 from harness.run.snapshot import digest
 
 T = TypeVar("T")
@@ -123,23 +124,32 @@ class Step(NamedTuple):
 
 def train_step(adapter: Adapter, model: torch.nn.Module, optim: torch.optim.Optimizer, loss_fn, inputs, targets,
                num_micro: int, features, evidence: Callable[[], T] | None = None,
-               sync_every_micro: bool = False, clipped_evidence: Callable[[], object] | None = None) -> Step:
+               sync_every_micro: bool = False, clipped_evidence: Callable[[], object] | None = None,
+               ledger: CollectiveLedger | None = None) -> Step:
     """One training step through the adapter: zero the gradients, forward and backward over
     `num_micro` micro-batches (gradients synced on the last one only, or on every one with
     `sync_every_micro`), `evidence()` taken after backward and before the optimizer (the averaged
-    gradients), then the optimizer step (clipping included). Returns (local loss, evidence, clip norm)."""
-    adapter.zero_grad(model, optim)
+    gradients), then the optimizer step (clipping included). Returns (local loss, evidence, clip norm).
+    With a `ledger`, the adapter's own work is counted ([Note: Collective ledger]), not the evidence."""
+    with window(ledger):
+        adapter.zero_grad(model, optim)
     if num_micro > 1 and sync_every_micro:
         # The wrapped model as it is: every micro-batch syncs (the adapter's own forward_backward
         # syncs the last one only); the adapter's collective faults armed as its step arms them.
-        with dist_faults.armed(adapter):
+        with dist_faults.armed(adapter), window(ledger):
             loss = forward_backward(model, loss_fn, inputs, targets, num_micro)
     else:
-        loss = adapter.forward_backward(model, loss_fn, inputs, targets, num_micro)
+        with window(ledger):
+            loss = adapter.forward_backward(model, loss_fn, inputs, targets, num_micro)
     seen = evidence() if evidence is not None else None
     clipped = []
     if clipped_evidence is not None and features.clip_norm_type is not None and takes_after_clip(adapter):
-        norm = adapter.optimizer_step(model, optim, features, lambda: clipped.append(clipped_evidence()))
+        def take_clipped() -> None:
+            clipped.append(clipped_evidence())
+        with window(ledger):
+            norm = adapter.optimizer_step(model, optim, features,
+                                          ledger.paused(take_clipped) if ledger is not None else take_clipped)
     else:
-        norm = adapter.optimizer_step(model, optim, features)
+        with window(ledger):
+            norm = adapter.optimizer_step(model, optim, features)
     return Step(loss, seen, None if norm is None else float(norm), clipped[0] if clipped else None)

@@ -95,6 +95,8 @@ class StepRecord:
     layouts: dict | None = None  # this step's, when the implementation reports them per step
     clip_norm: torch.Tensor | None = None  # (W,) float64: each rank's clip norm (NaN: none reported)
     clipped_grads: dict[str, torch.Tensor] | None = None  # the full gradients after clipping, before the step
+    # (W, LEDGER_WIDTH) every rank's collectives of the step, where contracts apply ([Note: Contracts])
+    collectives: torch.Tensor | None = None
 
     def to_dict(self) -> dict:
         out = {"step": self.step, "loss": self.loss, "grads": self.grads, "params": self.params,
@@ -106,6 +108,8 @@ class StepRecord:
             out["clip_norm"] = self.clip_norm
         if self.clipped_grads is not None:
             out["clipped_grads"] = self.clipped_grads
+        if self.collectives is not None:
+            out["collectives"] = self.collectives
         return out
 
 
@@ -123,6 +127,7 @@ class Snapshot:
     steps: list[StepRecord]
     perturbed: list | None = None  # reference cells: the perturbed runs' parameters per step
     run_id: str | None = None
+    contracts: tuple[str, ...] = ()  # the contracts the cell is held to ([Note: Contracts])
 
     def to_dict(self) -> dict:
         out = {"format": FORMAT, "cell": self.cell, "optimizer": self.optimizer, "world_size": self.world_size,
@@ -133,6 +138,8 @@ class Snapshot:
             out["perturbed"] = self.perturbed
         if self.run_id is not None:
             out["run_id"] = self.run_id
+        if self.contracts:
+            out["contracts"] = list(self.contracts)
         return out
 INIT_FORMAT = "fsdp-equiv-init/1"  # {"format", "run_id", "state": {name: tensor}}
 

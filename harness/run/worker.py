@@ -33,6 +33,8 @@ from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.run import dist_faults
 from harness.judge.diff import PARAM_UNIT_ROUNDOFF, ReferenceComparison, compare_with_reference, trajectory_envelope
+from harness.judge.contracts import active_contracts
+from harness.run.collectives import CollectiveLedger
 from harness.run.judged import RankJudge, on_device, record_on
 from harness.run.plan import REFERENCE_IMPL, Cell
 from harness.run.rank import pick_evidence, pick_grads, rank_epilogue, rank_prologue, replica_digests, train_step
@@ -76,16 +78,17 @@ class StepParts:
     digests: list[int]
     raws: tuple[RawShard, ...]
     clip_norm: float | None = None  # the norm this rank's clipping computed
+    collectives: tuple[float, ...] = ()  # this rank's LedgerStep row, where contracts apply
 
     @classmethod
     def take(cls, loss: torch.Tensor, raws: list[RawShard], digests: list[int],
-             clip_norm: float | None = None) -> StepParts:
+             clip_norm: float | None = None, collectives: tuple[float, ...] = ()) -> StepParts:
         def copy(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().clone()
 
         return cls(copy(loss), list(digests),
                    tuple(RawShard(raw.key, copy(raw.data), copy(raw.grad), tuple(raw.padding_intervals)) for raw in raws),
-                   clip_norm)
+                   clip_norm, tuple(collectives))
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class StepEvidence:
     shards: dict[str, torch.Tensor]  # key -> (W, shard_numel); on the team's rank 0 only (empty elsewhere)
     shard_grads: dict[str, torch.Tensor]  # keys whose gradient every rank has (rank 0 only, as shards)
     padding_intervals: dict[str, list]  # key -> per rank [[start, end), ...]
+    collectives: torch.Tensor | None = None  # (W, LEDGER_WIDTH): every rank's LedgerStep, where counted
 
 
 # Evidence is gathered once per batch of steps: with 8 ranks on 2 cores a gloo collective costs
@@ -140,7 +144,8 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
     for p, shape in zip(parts, layout):
         small += [p.loss.double().reshape(1), torch.tensor([math.nan if p.clip_norm is None else p.clip_norm],
                                                            dtype=torch.float64, device=device),
-                  torch.tensor(p.digests, dtype=torch.float64, device=device)]
+                  torch.tensor(p.digests, dtype=torch.float64, device=device),
+                  torch.tensor(p.collectives, dtype=torch.float64, device=device)]
         for raw, (cap, has_grad) in zip(p.raws, shape):
             intervals = list(raw.padding_intervals) + [(0, 0)] * (cap - len(raw.padding_intervals))
             small.append(torch.tensor(intervals, dtype=torch.float64, device=device).reshape(-1))
@@ -157,6 +162,8 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
         clip_norms = rows[:, at + 1].clone()
         digests = rows[:, at + 2 : at + 2 + len(p.digests)].long()
         at += 2 + len(p.digests)
+        collectives = rows[:, at : at + len(p.collectives)].clone() if p.collectives else None
+        at += len(p.collectives)
         shards, shard_grads, padding_intervals = {}, {}, {}
         for raw, (cap, has_grad) in zip(p.raws, shape):
             n = raw.data.numel()
@@ -170,7 +177,7 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
                 if big_rows is not None:
                     shard_grads[raw.key] = big_rows[:, big_at : big_at + n].to(raw.grad.dtype)
                 big_at += n
-        out.append(StepEvidence(losses, digests, clip_norms, shards, shard_grads, padding_intervals))
+        out.append(StepEvidence(losses, digests, clip_norms, shards, shard_grads, padding_intervals, collectives))
     if at != rows.shape[1] or (big_rows is not None and big_at != big_rows.shape[1]):
         raise RuntimeError(f"rank {ctx.rank}: gathered {rows.shape[1]} + "
                            f"{big_rows.shape[1] if big_rows is not None else '?'} evidence values per rank, "
@@ -326,6 +333,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     optim = _make_optimizer(adapter, wrapped, spec, case, ctx, cell, set(names))
     scheduler = spec.build_scheduler(optim)
     is_writer = world.rank == 0
+    contracts = active_contracts(features, ctx.world_size, adapter.contracts)
+    ledger = CollectiveLedger() if contracts else None  # [Note: Collective ledger]
     shadow = (Shadow(case, spec, init_state, ctx.device, init_buffers=init_buffers,
                      record_device=ctx.device if judge_here else torch.device("cpu")) if is_writer else None)
     reshard_steps = features.checkpoint_reshard_at if adapter.reshards_checkpoints else ()
@@ -333,7 +342,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     layouts = adapter.layouts(wrapped)  # after make_optimizer: an engine may shard only then
     header = {"cell": cell.to_json(), "optimizer": spec.kind, "world_size": ctx.world_size, "layouts": layouts,
               "padding": {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
-              "init_order": names, "init_digest": init_digest}
+              "init_order": names, "init_digest": init_digest, "contracts": list(contracts)}
     judge = None
     # A cell judged here trains its lock-step reference on the team's rank 1, beside rank 0's
     # replay, and compares the cell's steps with it there (rank 1 holds the cell's full parameters
@@ -373,9 +382,10 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
             return pick_grads(adapter.full_grads(wrapped), grad_names, known_names,
                               f"rank {ctx.rank}: impl={cell.impl} full_grads")
 
-        loss, grads, clip_norm, clipped_grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets,
-                                                           features.grad_accum, features, full_grads,
-                                                           clipped_evidence=full_grads)
+        with ledger.step() if ledger is not None else contextlib.nullcontext():
+            loss, grads, clip_norm, clipped_grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets,
+                                                               features.grad_accum, features, full_grads,
+                                                               clipped_evidence=full_grads, ledger=ledger)
         if scheduler is not None:
             scheduler.step()
         params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
@@ -397,7 +407,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         if helper is not None:
             to_compare[step] = ({"step": step, "grads": _detached(grads), "params": _detached(params)},
                                 record_on(helper.step(step), ctx.device))
-        pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests, clip_norm),
+        pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests, clip_norm,
+                                             ledger.taken.to_row() if ledger is not None else ()),
                         len(replicas["names"]), record))
         params_before, buffers_before = params, buffers
         if len(pending) == per_gather or step == cell.steps:
@@ -429,7 +440,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                         record["shadow"], ev.shards, ev.shard_grads, ev.padding_intervals,
                         {"names": record["replica_names"], "digests": ev.digests[:, :num_replicas]},
                         record["layouts"], ev.clip_norms if features.clip_norm_type is not None else None,
-                        record["clipped_grads"])
+                        record["clipped_grads"], ev.collectives)
                     if judge is None:
                         steps.append(rec)
                     else:  # judged now, and let go
@@ -453,7 +464,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                  if cell.is_reference else None)
     return Snapshot(cell.to_json(), spec.kind, ctx.world_size, layouts,
                     {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
-                    init_params, Buffers(init_bufs, init_buffer_digests), steps, perturbed).to_dict()
+                    init_params, Buffers(init_bufs, init_buffer_digests), steps, perturbed,
+                    contracts=contracts).to_dict()
 
 
 def perturbed_seeds(rank: int, team_size: int) -> list[int]:

@@ -1,0 +1,132 @@
+"""What a training step sends: its collectives counted at the seam collective faults act on.
+
+[Note: Collective ledger]
+A feature a user configures for its memory or traffic (gradient accumulation without sync,
+reshard_after_forward=False, NO_SHARD) can be silently not applied while every number stays
+legal: the run is then equivalent, and not what was configured. The ledger counts, during the
+training step only (zero_grad, forward and backward, clipping, the optimizer step: the window
+collective faults are armed in), the collectives an implementation issues through torch's
+ProcessGroup (the seam of harness/run/dist_faults.py: every Python collective of torch.distributed
+ends in a method of that class) on groups of more than one rank, by phase: each call of
+torch.autograd.backward is one backward pass (a micro-batch), and everything else is outside
+backward. Per step it yields `LedgerStep`: the backward passes seen, the most elements any pass
+but the last reduced (summing reductions of floating tensors: a reduce-scatter's input, an
+all-reduce's tensor), the all-gathers issued inside backward, and the all-gathers and
+reduce-scatters issued at all. The contracts (harness/judge/contracts.py) hold the configured
+features to them.
+
+Counting changes nothing: each wrapper calls torch's own method with the same arguments and
+returns its result. Collectives issued from C++ (DDP's reducer, functional collectives) are not
+seen, as collective faults do not see them: an adapter declares the contracts it keeps
+(Adapter.contracts), and one whose collectives the seam cannot see declares none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import torch
+from torch.distributed import ProcessGroup
+
+from harness.judge.contracts import LedgerStep
+from harness.run.dist_faults import COLLECTIVE_METHODS, flat_tensors, is_summing
+
+T = TypeVar("T")
+
+
+def _reduced_elements(layout: str, args: tuple) -> int:
+    """The elements a summing reduction takes in: its input tensors."""
+    inputs = args[0] if layout == "inplace" else args[1]
+    return sum(t.numel() for t in flat_tensors(inputs) if t.is_floating_point())
+
+
+class CollectiveLedger:
+    """Counts one training step's collectives at a time: inside `step()` torch's ProcessGroup
+    methods and torch.autograd.backward count, while a `window()` is open (the adapter's zero_grad,
+    forward and backward, optimizer step; not the harness's evidence taken between them, nor a
+    callback `paused` inside); `taken` holds the step's LedgerStep after."""
+
+    def __init__(self) -> None:
+        self.taken: LedgerStep | None = None
+        self._open = 0
+        self._reduced: list[int] = []  # per backward pass
+        self._in_backward = False
+        self._gathers_in_backward = 0
+        self._sharded = 0
+
+    def _record(self, group, name: str, args: tuple, kwargs: dict) -> None:
+        if not self._open or group.size() <= 1:
+            return
+        kind, layout = COLLECTIVE_METHODS[name]
+        if kind == "gather":
+            self._sharded += 1
+            self._gathers_in_backward += self._in_backward
+            return
+        if "scatter" in name:
+            self._sharded += 1
+        opts = args[-1] if len(args) > 1 else kwargs.get("opts")
+        if self._in_backward and is_summing(opts):
+            self._reduced[-1] += _reduced_elements(layout, args)
+
+    @contextlib.contextmanager
+    def window(self) -> Iterator[None]:
+        self._open += 1
+        try:
+            yield
+        finally:
+            self._open -= 1
+
+    def paused(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """`fn` called with counting off (evidence the harness takes inside an adapter's method)."""
+        def call():
+            closed, self._open = self._open, 0
+            try:
+                return fn()
+            finally:
+                self._open = closed
+        return call
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Count the collectives of the windows opened inside; `taken` holds them after."""
+        self._reduced, self._gathers_in_backward, self._sharded = [], 0, 0
+        originals = {name: ProcessGroup.__dict__[name] for name in COLLECTIVE_METHODS if name in ProcessGroup.__dict__}
+        backward = torch.autograd.backward
+        ledger = self
+
+        def counted(name: str, original):
+            def collective(group, *args, **kwargs):
+                ledger._record(group, name, args, kwargs)
+                return original(group, *args, **kwargs)
+
+            collective.__name__ = name
+            return collective
+
+        def backward_pass(*args, **kwargs):
+            # outside a window, or a nested call (a recomputation's own backward): not a new pass
+            if not ledger._open or ledger._in_backward:
+                return backward(*args, **kwargs)
+            ledger._reduced.append(0)
+            ledger._in_backward = True
+            try:
+                return backward(*args, **kwargs)
+            finally:
+                ledger._in_backward = False
+
+        for name in originals:
+            setattr(ProcessGroup, name, counted(name, getattr(ProcessGroup, name)))
+        torch.autograd.backward = backward_pass
+        try:
+            yield
+        finally:
+            torch.autograd.backward = backward
+            for name, original in originals.items():
+                setattr(ProcessGroup, name, original)
+        self.taken = LedgerStep(len(self._reduced), max(self._reduced[:-1], default=0), self._gathers_in_backward,
+                                self._sharded)
+
+
+def window(ledger: CollectiveLedger | None) -> contextlib.AbstractContextManager:
+    return ledger.window() if ledger is not None else contextlib.nullcontext()
