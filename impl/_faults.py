@@ -49,6 +49,8 @@ FAULTS: dict[str, str] = {
                              "step reduce-scatters its gradients (M times the traffic; the sum is the same)",
     "reshard_after_forward_ignored": "reshard_after_forward=False is ignored: parameters are resharded after forward "
                                      "and all-gathered again in backward (ZeRO-3 where ZeRO-2 was configured)",
+    "zero1_state_replicated": "ZeRO-1 runs as ZeRO-0: every rank keeps and steps the whole optimizer state (the "
+                              "same updates, W times the state's memory)",
     "mesh_dims_swapped": "a 2-D mesh is read as (shard, replicate) instead of (replicate, shard): NO_SHARD's (W, 1) "
                          "mesh shards over every rank",
     "reduce_at_last_gradient": "a unit starts its reduction when its last view gets a gradient on this rank (or at "

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from impl._collectives import all_gather_into, all_reduce_sum, group_rank_and_size
+from impl._faults import validate_faults
 from impl._flat_param import FlatLayout, align_numel_for, flatten_padded, unflatten_views, zero_padding_
 
 
@@ -34,8 +35,10 @@ class ZeroRedundancyOptimizer:
         params: Iterable[torch.nn.Parameter],
         optimizer_class: Callable[..., torch.optim.Optimizer],
         process_group: dist.ProcessGroup | None = None,
+        _faults: frozenset[str] = frozenset(),
         **defaults: Any,
     ) -> None:
+        self.faults = validate_faults(frozenset(_faults))
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         self.group = process_group
@@ -57,6 +60,10 @@ class ZeroRedundancyOptimizer:
         self.shard = self.flat[start:end].clone()
         self.local_bounds = self.layout.local_slot_bounds(self.rank)
         self.pieces = [torch.nn.Parameter(self.shard[a:b]) for a, b in self.local_bounds]
+        self.whole = None
+        if "zero1_state_replicated" in self.faults:  # every rank steps every slot of the buffer
+            self.whole = self.flat.clone()
+            self.pieces = [torch.nn.Parameter(self.whole[slot.offset:slot.end]) for slot in self.layout.slots]
         self.optim = optimizer_class(self.pieces, **defaults)
 
     @property
@@ -81,9 +88,15 @@ class ZeroRedundancyOptimizer:
         if self.world_size > 1:
             flat_grad.div_(self.world_size)
         start, end = self.layout.shard_bounds(self.rank)
-        shard_grad = flat_grad[start:end].clone()
-        for piece, (a, b), u in zip(self.pieces, self.local_bounds, used):
-            piece.grad = shard_grad[a:b] if u else None
-        self.optim.step()
+        if self.whole is not None:
+            for piece, slot, u in zip(self.pieces, self.layout.slots, used):
+                piece.grad = flat_grad[slot.offset:slot.end].clone() if u else None
+            self.optim.step()
+            self.shard.copy_(self.whole[start:end])
+        else:
+            shard_grad = flat_grad[start:end].clone()
+            for piece, (a, b), u in zip(self.pieces, self.local_bounds, used):
+                piece.grad = shard_grad[a:b] if u else None
+            self.optim.step()
         zero_padding_(self.shard, self.layout.local_padding_intervals(self.rank))
         all_gather_into(self.flat, self.shard, self.group)

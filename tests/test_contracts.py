@@ -2,9 +2,11 @@
 harness/run/collectives.py): a configured feature silently not applied, while every number stays
 legal, fails naming its contract; honest runs of ours and torch FSDP2 keep every contract.
 
-One launch: the three feature cases at W = 2 (gradient accumulation over 2 micro-batches,
-reshard_after_forward=False, NO_SHARD), honest for ours and fsdp2, and ours with each planted
-fault of impl/ that undoes one feature (every fault runs on every case: it acts only on its own)."""
+One launch: the four feature cases at W = 2 (gradient accumulation over 2 micro-batches,
+reshard_after_forward=False, NO_SHARD, ZeRO-1), honest for ours and fsdp2 (which has no ZeRO-1),
+and ours with each planted fault of impl/ that undoes one feature (every fault runs on every case:
+it acts only on its own). Every honest cell of ours and fsdp2 at W = 2 is also held to
+`sharded_state` (its optimizer state sharded) except under NO_SHARD."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from cases.catalog import get_case
-from harness.judge.contracts import CONTRACTS, LedgerStep, active_contracts, contract_violations
+from harness.judge.contracts import CONTRACTS, LedgerStep, ModelSize, active_contracts, contract_violations
 from harness.judge.verdict import evaluate
 from harness.run.orchestrate import run_plan
 from harness.run.plan import build_plan
@@ -20,7 +22,8 @@ from harness.run.plan import build_plan
 # case -> (its contract, the planted fault that breaks only it)
 FEATURES = {"grad_accumulation": ("gradient_sync_off", "grad_sync_every_micro"),
             "reshard_after_forward_false": ("no_gather_in_backward", "reshard_after_forward_ignored"),
-            "no_shard": ("unsharded", "mesh_dims_swapped")}
+            "no_shard": ("unsharded", "mesh_dims_swapped"),
+            "zero1": ("sharded_state", "zero1_state_replicated")}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def judged(tmp_path_factory):
 @pytest.mark.core
 def test_honest_runs_keep_every_contract_of_their_features(judged):
     honest = [r for r in judged.values() if not r.cell.faults]
-    assert len(honest) == len(FEATURES) * 2 * 2  # cases x (ours, fsdp2) x data modes
+    assert len(honest) == (len(FEATURES) * 2 - 1) * 2  # cases x (ours, fsdp2; no fsdp2 ZeRO-1) x data modes
     for r in honest:
         assert str(r.verdict) == "pass", (r.cell.cell_id, r.error, r.violations[:2])
         for o in r.optimizers.values():
@@ -54,7 +57,8 @@ def test_a_feature_not_applied_fails_its_contract_and_nothing_else(judged):
             assert str(r.verdict) == "fail", (r.cell.cell_id, r.error)
             # every violation is the contract's: without the contract check the cell passes
             assert {(v.check, v.name) for v in r.violations} == {("contract", contract)}, r.cell.cell_id
-            assert {v.step for v in r.violations} == {1, 2} and {v.rank for v in r.violations} == {0, 1}
+            ranks = {None} if contract == "sharded_state" else {0, 1}  # a sum over the ranks, or each rank
+            assert {v.step for v in r.violations} == {1, 2} and {v.rank for v in r.violations} == ranks
             assert "the feature was not applied as configured" in r.violations[0].describe(r.cell.cell_id)
     # a fault that undoes another case's feature changes nothing here
     for case in FEATURES:
@@ -65,24 +69,30 @@ def test_a_feature_not_applied_fails_its_contract_and_nothing_else(judged):
 
 
 def test_each_contract_breaks_exactly_at_its_limit():
-    trainable = 100
-    kept = LedgerStep(backward_passes=2, reduced_before_last_pass=trainable - 1, gathers_in_backward=0,
-                      sharded_collectives=0)
-    broken = LedgerStep(backward_passes=2, reduced_before_last_pass=trainable, gathers_in_backward=1,
-                        sharded_collectives=1)
+    size = ModelSize(trainable=100, state=200, replicas=1)
+    kept = LedgerStep(backward_passes=2, reduced_before_last_pass=99, gathers_in_backward=0, sharded_collectives=0,
+                      optimizer_state_elements=199)
+    broken = LedgerStep(backward_passes=2, reduced_before_last_pass=100, gathers_in_backward=1, sharded_collectives=1,
+                        optimizer_state_elements=201)
     names = tuple(CONTRACTS)
-    assert contract_violations("sgd", 1, names, [kept.to_row()], trainable) == []
-    violations = contract_violations("sgd", 3, names, [kept.to_row(), broken.to_row()], trainable)
-    assert [(v.name, v.rank, v.step, v.actual, v.expected) for v in violations] == [
+    assert contract_violations("sgd", 1, names, [kept.to_row(), kept.to_row()], size) == ([], 8)  # 398 < 400
+    violations, judged = contract_violations("sgd", 3, names, [kept.to_row(), broken.to_row()], size)
+    assert judged == 8 and [(v.name, v.rank, v.step, v.actual, v.expected) for v in violations] == [
         ("gradient_sync_off", 1, 3, 100.0, 100.0), ("no_gather_in_backward", 1, 3, 1.0, 0.0),
-        ("unsharded", 1, 3, 1.0, 0.0)]
+        ("unsharded", 1, 3, 1.0, 0.0), ("sharded_state", None, 3, 400.0, 400.0)]
+    # two replicas of the sharded state (HSDP) hold it twice: that is the mesh, not a breach
+    hsdp = [kept.to_row()] * 4
+    assert contract_violations("sgd", 1, ("sharded_state",), hsdp, ModelSize(100, 200, replicas=2)) == ([], 4)
+    # an optimizer without elementwise state (plain SGD) gives the contract nothing to judge
+    assert contract_violations("sgd", 1, ("sharded_state",), [broken.to_row()] * 2, ModelSize(100, 0, 1)) == ([], 0)
 
 
 def test_a_contract_applies_where_its_feature_is_on_and_its_adapter_keeps_it():
     every = frozenset(CONTRACTS)
     for case, (contract, _) in FEATURES.items():
         features = get_case(case).features
-        assert active_contracts(features, 2, every) == (contract,)
+        want = (contract,) if contract in ("unsharded", "sharded_state") else (contract, "sharded_state")
+        assert active_contracts(features, 2, every) == want
         assert active_contracts(features, 1, every) == ()  # one rank: nothing to show
         assert active_contracts(features, 2, frozenset()) == ()  # an adapter that declares none
-    assert active_contracts(get_case("transformer").features, 4, every) == ()
+    assert active_contracts(get_case("transformer").features, 4, every) == ("sharded_state",)

@@ -201,6 +201,15 @@ class Adapter:
     def make_optimizer(self, model: nn.Module, spec, features: Features) -> torch.optim.Optimizer:
         return spec.build(model.parameters())
 
+    def local_optimizer_state_elements(self, optim) -> int:
+        """The elements of the elementwise optimizer state this rank holds (the `sharded_state`
+        contract, [Note: Contracts]): every tensor of `optim.state` but 0-d ones (step counts), a
+        DTensor by its local part."""
+        from torch.distributed.tensor import DTensor
+
+        return sum((t.to_local() if isinstance(t, DTensor) else t).numel()
+                   for st in optim.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+
     def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
         """Gradient accumulation: called before every micro-batch, enabled on the last only."""
         model.set_requires_gradient_sync(enabled)  # ours and FSDP2

@@ -15,7 +15,7 @@ from harness.adapters.features import all_reduce_mean_copy, make_mesh
 
 class Ours(Adapter):
     name = "ours"
-    contracts = frozenset({"gradient_sync_off", "no_gather_in_backward", "unsharded"})
+    contracts = frozenset({"gradient_sync_off", "no_gather_in_backward", "unsharded", "sharded_state"})
     refuses_cross_unit_ties = True  # tied parameters across units raise at fully_shard
     reshards_checkpoints = True
 
@@ -27,6 +27,7 @@ class Ours(Adapter):
 
         features = ctx.features
         if features.zero1:
+            self._zero1_faults = ctx.faults  # make_optimizer builds the ZeRO-1 optimizer
             return model  # replicated parameters; the optimizer shards its state
         kwargs = {"_faults": ctx.faults, "reshard_after_forward": features.reshard_after_forward}
         if features.mesh == "shard":
@@ -60,7 +61,8 @@ class Ours(Adapter):
 
         if not features.zero1:
             return spec.build(model.parameters())
-        return impl.ZeroRedundancyOptimizer(model.parameters(), spec.build)
+        return impl.ZeroRedundancyOptimizer(model.parameters(), spec.build,
+                                            _faults=getattr(self, "_zero1_faults", frozenset()))
 
     def set_gradient_sync(self, model, enabled):
         from impl import units

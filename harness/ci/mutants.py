@@ -53,6 +53,7 @@ FAULT_CASES = {
     "grad_sync_every_micro": ("grad_accumulation",),  # the contracts' ([Note: Contracts])
     "reshard_after_forward_ignored": ("reshard_after_forward_false",),
     "mesh_dims_swapped": ("no_shard",),
+    "zero1_state_replicated": ("zero1",),
 }
 # Real architectures (cases/architectures.py): every fault runs on each too, honestly and planted,
 # and the per-case table shows it caught on each. A fault that acts only under a feature a case
@@ -71,6 +72,7 @@ FAULT_NEEDS = {
     "grad_sync_every_micro": "gradient accumulation",
     "reshard_after_forward_ignored": "reshard_after_forward=False",
     "mesh_dims_swapped": "a 2-D mesh (HSDP or NO_SHARD)",
+    "zero1_state_replicated": "ZeRO-1",
 }
 
 
@@ -99,6 +101,7 @@ def fault_cannot_act(fault: str, case_name: str) -> str | None:
         "grad_sync_every_micro": lambda: features.grad_accum > 1,
         "reshard_after_forward_ignored": lambda: not features.reshard_after_forward,
         "mesh_dims_swapped": lambda: features.mesh != "shard",
+        "zero1_state_replicated": lambda: features.zero1,
     }
     if fault in ("tied_param_duplicated", "buffers_zeroed_at_wrap", "unused_params_stepped",
                  "reduce_at_last_gradient") and case.missing_requirements():

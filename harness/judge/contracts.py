@@ -14,11 +14,20 @@ Collective ledger] in harness/run/collectives.py):
 - `no_gather_in_backward`: with reshard_after_forward=False, no all-gather inside backward.
 - `unsharded`: under NO_SHARD (a (W, 1) mesh), no all-gather or reduce-scatter on a group of more
   than one rank: gradients are all-reduced and parameters stay whole.
+- `sharded_state`: where the optimizer state is sharded over S > 1 ranks (ZeRO-3, ZeRO-1, HSDP's
+  shard groups), the elementwise optimizer state every rank holds after the step, summed over the
+  ranks and divided by the replicas, is below twice the unsharded state (k elementwise tensors per
+  parameter, the replay's k, times every parameter's elements). Any partition (flat shards, dim-0
+  chunks, whole parameters per rank) sums to the unsharded state plus its padding, which stays
+  below it unless the units are smaller than the world; a state kept whole on every rank sums to S
+  times it (S >= 2). Counted after the optimizer step, from the optimizer the adapter built
+  (Adapter.local_optimizer_state_elements: its tensors' local parts).
 A contract applies where its feature is on at a world size that can show it (W > 1), and only to
 implementations whose adapter declares it keeps it (Adapter.contracts): a library whose
 collectives the seam does not see, or that reduces on a schedule of its own, declares none.
 Each broken contract is a Violation of the check "contract" naming the contract, the step, the
-rank, what was counted and the limit (ratio inf: no tolerance).
+rank (none for `sharded_state`, a sum over the ranks), what was counted and the limit (ratio inf:
+no tolerance).
 """
 
 from __future__ import annotations
@@ -32,13 +41,15 @@ from harness.judge.result import Violation
 
 @dataclass(frozen=True)
 class LedgerStep:
-    """One training step's collectives on groups of more than one rank (this rank's view)."""
+    """One training step on one rank: its collectives on groups of more than one rank, and the
+    optimizer state it holds after the step."""
 
     backward_passes: int
     # the most floating elements any backward pass before the last reduced (sum or average)
     reduced_before_last_pass: int
     gathers_in_backward: int  # all-gathers issued inside a backward pass
     sharded_collectives: int  # all-gathers and reduce-scatters, any phase
+    optimizer_state_elements: int = 0  # elements of this rank's elementwise optimizer state (its own shard)
 
     def to_row(self) -> tuple[float, ...]:
         return tuple(float(x) for x in astuple(self))
@@ -48,7 +59,29 @@ class LedgerStep:
         return cls(*(int(x) for x in row))
 
 
-LEDGER_WIDTH = len(LedgerStep.__dataclass_fields__)
+@dataclass(frozen=True)
+class ModelSize:
+    """What a contract's limits are stated in, from the replay of the step."""
+
+    trainable: int  # elements of the parameters with a gradient
+    state: int  # elements of the unsharded optimizer's elementwise state, every parameter counted
+    replicas: int  # copies of the sharded state the mesh keeps (HSDP: its replicate size)
+
+
+# (rank or None: over the ranks, what was counted, the limit) of each breach
+Breaches = list[tuple[int | None, int, int]]
+
+
+def _per_rank(broken: Callable[[LedgerStep, ModelSize], tuple[int, int] | None]
+              ) -> Callable[[list[LedgerStep], ModelSize], Breaches]:
+    def every_rank(steps: list[LedgerStep], size: ModelSize) -> Breaches:
+        return [(rank, *b) for rank, s in enumerate(steps) if (b := broken(s, size)) is not None]
+    return every_rank
+
+
+def _state_partitioned(steps: list[LedgerStep], size: ModelSize) -> Breaches:
+    held = sum(s.optimizer_state_elements for s in steps) // size.replicas
+    return [(None, held, 2 * size.state)] if size.state and held >= 2 * size.state else []
 
 
 @dataclass(frozen=True)
@@ -56,8 +89,8 @@ class Contract:
     name: str
     promise: str  # what the feature promises, as a report states it
     applies: Callable[[Features, int], bool]  # (features, world size)
-    # (one rank's step, trainable elements) -> (what was counted, its limit), or None: kept
-    broken: Callable[[LedgerStep, int], tuple[int, int] | None]
+    broken: Callable[[list[LedgerStep], ModelSize], Breaches]  # every rank's step -> its breaches
+    judges: Callable[[ModelSize], bool] = lambda size: True  # False: nothing to hold it to this step
 
 
 CONTRACTS: dict[str, Contract] = {c.name: c for c in (
@@ -65,15 +98,21 @@ CONTRACTS: dict[str, Contract] = {c.name: c for c in (
              "with gradient sync off, a backward pass before the last reduces fewer elements than the model "
              "has trainable ones",
              lambda f, w: f.grad_accum > 1 and w > 1,
-             lambda s, n: (s.reduced_before_last_pass, n) if s.reduced_before_last_pass >= n else None),
+             _per_rank(lambda s, m: (s.reduced_before_last_pass, m.trainable)
+                       if s.reduced_before_last_pass >= m.trainable else None)),
     Contract("no_gather_in_backward",
              "with reshard_after_forward=False, no all-gather inside backward",
              lambda f, w: not f.reshard_after_forward and w > 1,
-             lambda s, n: (s.gathers_in_backward, 0) if s.gathers_in_backward else None),
+             _per_rank(lambda s, m: (s.gathers_in_backward, 0) if s.gathers_in_backward else None)),
     Contract("unsharded",
              "under NO_SHARD, no all-gather or reduce-scatter over more than one rank",
              lambda f, w: f.mesh == "no_shard" and w > 1,
-             lambda s, n: (s.sharded_collectives, 0) if s.sharded_collectives else None),
+             _per_rank(lambda s, m: (s.sharded_collectives, 0) if s.sharded_collectives else None)),
+    Contract("sharded_state",
+             "with the optimizer state sharded (ZeRO-1, ZeRO-3, HSDP within a replica), the ranks of a replica "
+             "hold fewer than twice the unsharded state's elements together",
+             lambda f, w: f.mesh != "no_shard" and f.mesh_shape(w)[1] > 1,
+             _state_partitioned, lambda size: size.state > 0),  # plain SGD keeps no state
 )}
 
 
@@ -82,17 +121,13 @@ def active_contracts(features: Features, world_size: int, kept: frozenset[str]) 
     return tuple(name for name, c in CONTRACTS.items() if name in kept and c.applies(features, world_size))
 
 
-def contract_violations(optimizer: str, step: int, names: tuple[str, ...], rows, trainable: int
-                        ) -> list[Violation]:
-    """The broken contracts of one step: `rows` holds every rank's LedgerStep as a row."""
-    out = []
-    for rank, row in enumerate(rows):
-        ledger = LedgerStep.from_row(row)
-        for name in names:
-            broken = CONTRACTS[name].broken(ledger, trainable)
-            if broken is not None:
-                counted, limit = broken
-                out.append(Violation(optimizer, step, "contract", name, float("inf"), float(counted - limit),
-                                     float(limit), float(counted), float(limit), rank=rank,
-                                     num_violating=counted))
-    return out
+def contract_violations(optimizer: str, step: int, names: tuple[str, ...], rows, size: ModelSize
+                        ) -> tuple[list[Violation], int]:
+    """The broken contracts of one step (`rows`: every rank's LedgerStep as a row), and how many
+    (contract, rank) pairs were judged."""
+    steps = [LedgerStep.from_row(row) for row in rows]
+    judged = [name for name in names if CONTRACTS[name].judges(size)]
+    violations = [Violation(optimizer, step, "contract", name, float("inf"), float(counted - limit), float(limit),
+                            float(counted), float(limit), rank=rank, num_violating=counted)
+                  for name in judged for rank, counted, limit in CONTRACTS[name].broken(steps, size)]
+    return violations, len(judged) * len(steps)

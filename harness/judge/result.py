@@ -91,8 +91,9 @@ class Violation:
             from harness.judge.contracts import CONTRACTS  # it imports this module
 
             limit = f"fewer than {self.expected:.0f}" if self.expected else "none"
-            return (f"{cell_id} optimizer={self.optimizer} step={self.step} contract: '{self.name}' broken on rank "
-                    f"{self.rank}: {CONTRACTS[self.name].promise}; counted {self.actual:.0f} where the contract allows "
+            where = "over the ranks" if self.rank is None else f"on rank {self.rank}"
+            return (f"{cell_id} optimizer={self.optimizer} step={self.step} contract: '{self.name}' broken {where}: "
+                    f"{CONTRACTS[self.name].promise}; counted {self.actual:.0f} where the contract allows "
                     f"{limit}: the feature was not applied as configured")
         if self.check == "bias":
             count = round(self.actual * self.num_violating)

@@ -407,6 +407,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         if helper is not None:
             to_compare[step] = ({"step": step, "grads": _detached(grads), "params": _detached(params)},
                                 record_on(helper.step(step), ctx.device))
+        if ledger is not None:
+            ledger.taken = replace(ledger.taken, optimizer_state_elements=adapter.local_optimizer_state_elements(optim))
         pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests, clip_norm,
                                              ledger.taken.to_row() if ledger is not None else ()),
                         len(replicas["names"]), record))
