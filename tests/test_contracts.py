@@ -96,3 +96,5 @@ def test_a_contract_applies_where_its_feature_is_on_and_its_adapter_keeps_it():
         assert active_contracts(features, 1, every) == ()  # one rank: nothing to show
         assert active_contracts(features, 2, frozenset()) == ()  # an adapter that declares none
     assert active_contracts(get_case("transformer").features, 4, every) == ("sharded_state",)
+    # resharded to fewer ranks mid-run by design (4 -> 2 -> 1 shards): no fixed promise to hold
+    assert active_contracts(get_case("state_dict_reshard").features, 4, every) == ()
