@@ -10,6 +10,8 @@ it acts only on its own). Every honest cell of ours and fsdp2 at W = 2 is also h
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -75,11 +77,12 @@ def test_each_contract_breaks_exactly_at_its_limit():
     broken = LedgerStep(backward_passes=2, reduced_before_last_pass=100, gathers_in_backward=1, sharded_collectives=1,
                         optimizer_state_elements=201)
     names = tuple(CONTRACTS)
-    assert contract_violations("sgd", 1, names, [kept.to_row(), kept.to_row()], size) == ([], 8)  # 398 < 400
+    assert contract_violations("sgd", 1, names, [kept.to_row(), kept.to_row()], size) == ([], 10)  # 398 < 400
+    broken = dataclasses.replace(broken, sharded_off_group=2)
     violations, judged = contract_violations("sgd", 3, names, [kept.to_row(), broken.to_row()], size)
-    assert judged == 8 and [(v.name, v.rank, v.step, v.actual, v.expected) for v in violations] == [
+    assert judged == 10 and [(v.name, v.rank, v.step, v.actual, v.expected) for v in violations] == [
         ("gradient_sync_off", 1, 3, 100.0, 100.0), ("no_gather_in_backward", 1, 3, 1.0, 0.0),
-        ("unsharded", 1, 3, 1.0, 0.0), ("sharded_state", None, 3, 400.0, 400.0)]
+        ("unsharded", 1, 3, 1.0, 0.0), ("shard_group", 1, 3, 2.0, 0.0), ("sharded_state", None, 3, 400.0, 400.0)]
     # two replicas of the sharded state (HSDP) hold it twice: that is the mesh, not a breach
     hsdp = [kept.to_row()] * 4
     assert contract_violations("sgd", 1, ("sharded_state",), hsdp, ModelSize(100, 200, replicas=2)) == ([], 4)
@@ -91,10 +94,39 @@ def test_a_contract_applies_where_its_feature_is_on_and_its_adapter_keeps_it():
     every = frozenset(CONTRACTS)
     for case, (contract, _) in FEATURES.items():
         features = get_case(case).features
-        want = (contract,) if contract in ("unsharded", "sharded_state") else (contract, "sharded_state")
+        want = {"unsharded": ("unsharded",), "sharded_state": ("shard_group", "sharded_state")}.get(
+            contract, (contract, "shard_group", "sharded_state"))
         assert active_contracts(features, 2, every) == want
         assert active_contracts(features, 1, every) == ()  # one rank: nothing to show
         assert active_contracts(features, 2, frozenset()) == ()  # an adapter that declares none
-    assert active_contracts(get_case("transformer").features, 4, every) == ("sharded_state",)
+    assert active_contracts(get_case("transformer").features, 4, every) == ("shard_group", "sharded_state")
     # resharded to fewer ranks mid-run by design (4 -> 2 -> 1 shards): no fixed promise to hold
     assert active_contracts(get_case("state_dict_reshard").features, 4, every) == ()
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """HSDP at W = 4 (2 replicas x 2 shards), judged on the ranks: honest ours and fsdp2, and ours
+    with its mesh read as (shard, replicate)."""
+    plan = build_plan(cases=("hybrid_shard",), impls=("ours", "fsdp2"), world_sizes=(4,), data_modes=("identical",),
+                      steps=2, out_dir=tmp_path_factory.mktemp("contracts_hsdp"), fault_copies=("mesh_dims_swapped",),
+                      judge_on="ranks")
+    torch.set_num_threads(1)
+    cells, _, _ = evaluate(plan, run_plan(plan))
+    return {r.cell.cell_id: r for r in cells}
+
+
+@pytest.mark.slow
+@pytest.mark.core
+def test_hsdp_sharded_over_the_wrong_ranks_fails_its_contract_not_the_adapter(hybrid):
+    """The swapped mesh shards over the replicate group: the adapter's layouts (the configured
+    mesh's) then contradict the raw shards, which used to make the cell an error blaming the
+    adapter. The broken contract explains it: the cell fails naming `shard_group` on every rank."""
+    for impl in ("ours", "fsdp2"):
+        r = hybrid[f"hybrid_shard.{impl}.w4.identical"]
+        assert str(r.verdict) == "pass", (r.cell.cell_id, r.error, r.violations[:2])
+        assert all(o.checks["contract"]["elements"] > 0 for o in r.optimizers.values())
+    r = hybrid["hybrid_shard.ours.w4.identical.mesh_dims_swapped"]
+    assert str(r.verdict) == "fail" and r.error is None, (r.error or "")[:300]
+    assert {(v.check, v.name) for v in r.violations} == {("contract", "shard_group")}
+    assert {v.rank for v in r.violations} == {0, 1, 2, 3}

@@ -13,7 +13,7 @@ from harness.adapters.features import make_mesh
 
 class FSDP2(Adapter):
     name = "fsdp2"
-    contracts = frozenset({"gradient_sync_off", "no_gather_in_backward", "unsharded", "sharded_state"})
+    contracts = frozenset({"gradient_sync_off", "no_gather_in_backward", "unsharded", "shard_group", "sharded_state"})
     shards_scalar_params = False  # fully_shard raises on a 0-d parameter
 
     def unsupported(self, features: Features) -> str | None:

@@ -14,6 +14,10 @@ Collective ledger] in harness/run/collectives.py):
 - `no_gather_in_backward`: with reshard_after_forward=False, no all-gather inside backward.
 - `unsharded`: under NO_SHARD (a (W, 1) mesh), no all-gather or reduce-scatter on a group of more
   than one rank: gradients are all-reduced and parameters stay whole.
+- `shard_group`: where parameters are sharded over S > 1 ranks (the whole team, or HSDP's shard
+  groups of a (R, S) mesh: ranks r // S * S ... + S - 1), every all-gather and reduce-scatter runs
+  over exactly the ranks of this rank's shard group (a mesh read with its dimensions swapped shards
+  over the replicate group instead: legal numbers, another layout than the one configured).
 - `sharded_state`: where the optimizer state is sharded over S > 1 ranks (ZeRO-3, ZeRO-1, HSDP's
   shard groups), the elementwise optimizer state every rank holds after the step, summed over the
   ranks and divided by the replicas, is below twice the unsharded state (k elementwise tensors per
@@ -24,6 +28,10 @@ Collective ledger] in harness/run/collectives.py):
   (Adapter.local_optimizer_state_elements: its tensors' local parts). Not applied to a case that
   reloads its checkpoint over fewer ranks mid-run (Features.checkpoint_reshard_at): its sharding
   changes by design (found by the golden comparison: state_dict_reshard unshards at W = 2).
+A broken contract explains a layout the adapter reports that no longer matches the raw shards (the
+implementation sharded otherwise than configured): where a step breaks one, the layouts are not
+validated at that step, and the cell fails naming the contract instead of being an `error` that
+blames the adapter (`broken_at`).
 A contract applies where its feature is on at a world size that can show it (W > 1), and only to
 implementations whose adapter declares it keeps it (Adapter.contracts): a library whose
 collectives the seam does not see, or that reduces on a schedule of its own, declares none.
@@ -52,6 +60,7 @@ class LedgerStep:
     gathers_in_backward: int  # all-gathers issued inside a backward pass
     sharded_collectives: int  # all-gathers and reduce-scatters, any phase
     optimizer_state_elements: int = 0  # elements of this rank's elementwise optimizer state (its own shard)
+    sharded_off_group: int = 0  # all-gathers and reduce-scatters over another group than the mesh's shard group
 
     def to_row(self) -> tuple[float, ...]:
         return tuple(float(x) for x in astuple(self))
@@ -110,6 +119,10 @@ CONTRACTS: dict[str, Contract] = {c.name: c for c in (
              "under NO_SHARD, no all-gather or reduce-scatter over more than one rank",
              lambda f, w: f.mesh == "no_shard" and w > 1,
              _per_rank(lambda s, m: (s.sharded_collectives, 0) if s.sharded_collectives else None)),
+    Contract("shard_group",
+             "every all-gather and reduce-scatter runs over the shard group the mesh defines (its ranks)",
+             lambda f, w: f.mesh != "no_shard" and f.mesh_shape(w)[1] > 1 and not f.checkpoint_reshard_at,
+             _per_rank(lambda s, m: (s.sharded_off_group, 0) if s.sharded_off_group else None)),
     Contract("sharded_state",
              "with the optimizer state sharded (ZeRO-1, ZeRO-3, HSDP within a replica), the ranks of a replica "
              "hold fewer than twice the unsharded state's elements together",
@@ -117,6 +130,24 @@ CONTRACTS: dict[str, Contract] = {c.name: c for c in (
              lambda f, w: f.mesh != "no_shard" and f.mesh_shape(w)[1] > 1 and not f.checkpoint_reshard_at,
              _state_partitioned, lambda size: size.state > 0),  # plain SGD keeps no state
 )}
+
+
+def model_size(shadow: dict, features: Features, world_size: int) -> ModelSize:
+    """The contracts' units at a step, from its replay: the trainable elements, and the elementwise
+    optimizer state per parameter (the most tensors any parameter has) over every parameter."""
+    per_param = max((sum(1 for t in st.values() if t.dim() > 0) for st in shadow["state"].values()), default=0)
+    return ModelSize(sum(g.numel() for g in shadow["grads"].values()),
+                     per_param * sum(p.numel() for p in shadow["params"].values()),
+                     features.mesh_shape(world_size)[0])
+
+
+def broken_at(names: tuple[str, ...], rec: dict, features: Features, world_size: int) -> bool:
+    """Whether step record `rec` breaks one of the contracts `names` (False without its ledger)."""
+    if not names or rec.get("collectives") is None:
+        return False
+    violations, _ = contract_violations("", int(rec["step"]), names, rec["collectives"].tolist(),
+                                        model_size(rec["shadow"], features, world_size))
+    return bool(violations)
 
 
 def active_contracts(features: Features, world_size: int, kept: frozenset[str]) -> tuple[str, ...]:

@@ -32,7 +32,7 @@ import torch
 from cases.catalog import Case, get_case
 from cases.features import DTYPES
 from harness.judge.layouts import first_bit_difference
-from harness.judge.contracts import ModelSize, contract_violations
+from harness.judge.contracts import contract_violations, model_size
 from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, CLIP_NORM, GRAD_STATISTICS, RUN_UPDATE_STATISTICS,
                                   UPDATE_STATISTICS, Judgement, Violation, first_of, nan_max)
 from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, sign_counts
@@ -913,7 +913,7 @@ class CellJudge:
             if rec.get("collectives") is None:
                 raise ValueError(f"step {step}: no collectives recorded for the contracts {list(self.contracts)}")
             broken, judged = contract_violations(kind, step, self.contracts, rec["collectives"].tolist(),
-                                                 self._model_size(shadow))
+                                                 model_size(shadow, self.case.features, self.world_size))
             stats["contract"].add(judged, math.inf if broken else 0.0)
             viol.extend(broken)
 
@@ -923,14 +923,6 @@ class CellJudge:
         if self.result.neighbourhood is None and viol:
             self.result.neighbourhood = neighbourhood(first_of(viol), step, rec)
         return True
-
-    def _model_size(self, shadow: dict) -> ModelSize:
-        """The contracts' units at this step: the replay's trainable elements, and its elementwise
-        optimizer state per parameter (the most tensors any parameter has) over every parameter."""
-        per_param = max((sum(1 for t in st.values() if t.dim() > 0) for st in shadow["state"].values()), default=0)
-        return ModelSize(sum(g.numel() for g in shadow["grads"].values()),
-                         per_param * sum(p.numel() for p in shadow["params"].values()),
-                         self.case.features.mesh_shape(self.world_size)[0])
 
     def take_trajectory(self, step: int, comparison: ReferenceComparison, step_layouts: dict) -> None:
         """The cell's deviation from the reference at `step` (judged in `finish` against the

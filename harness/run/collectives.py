@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from harness.judge.contracts import LedgerStep
@@ -48,7 +49,10 @@ class CollectiveLedger:
     forward and backward, optimizer step; not the harness's evidence taken between them, nor a
     callback `paused` inside); `taken` holds the step's LedgerStep after."""
 
-    def __init__(self) -> None:
+    def __init__(self, shard_group: frozenset[int] | None = None) -> None:
+        self.shard_group = shard_group  # the ranks a sharded collective must run over (None: not checked)
+        self._group_ranks: dict[int, frozenset[int]] = {}
+        self._off_group = 0
         self.taken: LedgerStep | None = None
         self._open = 0
         self._reduced: list[int] = []  # per backward pass
@@ -60,15 +64,21 @@ class CollectiveLedger:
         if not self._open or group.size() <= 1:
             return
         kind, layout = COLLECTIVE_METHODS[name]
-        if kind == "gather":
+        if kind == "gather" or "scatter" in name:
             self._sharded += 1
+            self._off_group += self.shard_group is not None and self._ranks_of(group) != self.shard_group
+        if kind == "gather":
             self._gathers_in_backward += self._in_backward
             return
-        if "scatter" in name:
-            self._sharded += 1
         opts = args[-1] if len(args) > 1 else kwargs.get("opts")
         if self._in_backward and is_summing(opts):
             self._reduced[-1] += _reduced_elements(layout, args)
+
+    def _ranks_of(self, group) -> frozenset[int]:
+        key = id(group)
+        if key not in self._group_ranks:
+            self._group_ranks[key] = frozenset(dist.get_process_group_ranks(group))
+        return self._group_ranks[key]
 
     @contextlib.contextmanager
     def window(self) -> Iterator[None]:
@@ -91,7 +101,7 @@ class CollectiveLedger:
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Count the collectives of the windows opened inside; `taken` holds them after."""
-        self._reduced, self._gathers_in_backward, self._sharded = [], 0, 0
+        self._reduced, self._gathers_in_backward, self._sharded, self._off_group = [], 0, 0, 0
         originals = {name: ProcessGroup.__dict__[name] for name in COLLECTIVE_METHODS if name in ProcessGroup.__dict__}
         backward = torch.autograd.backward
         ledger = self
@@ -125,7 +135,7 @@ class CollectiveLedger:
             for name, original in originals.items():
                 setattr(ProcessGroup, name, original)
         self.taken = LedgerStep(len(self._reduced), max(self._reduced[:-1], default=0), self._gathers_in_backward,
-                                self._sharded)
+                                self._sharded, sharded_off_group=self._off_group)
 
 
 def window(ledger: CollectiveLedger | None) -> contextlib.AbstractContextManager:

@@ -45,6 +45,7 @@ import torch
 from cases.case import Case, OptimizerSpec
 from harness.judge.diff import (CellJudge, ReferenceComparison, ReferenceDiverged, compare_with_reference,
                                 result_to_record, trajectory_envelope, trajectory_row)
+from harness.judge.contracts import broken_at
 from harness.judge.layouts import LayoutError, check_step_layouts, parameter_names
 from harness.run.evidence import EvidenceError, check_init_evidence, check_step_evidence
 from harness.run.plan import Cell
@@ -115,6 +116,7 @@ class RankJudge:
         self.cell, self.kind = cell, spec.kind
         self.device = device  # where the evidence is, and the judge computes
         self.header = header
+        self.contracts, self.features = tuple(header.get("contracts", ())), case.features
         params = list(plain.named_parameters())
         self.sizes = {n: p.shape for n, p in params}
         self.grad_names = [n for n, p in params if p.requires_grad]
@@ -169,9 +171,10 @@ class RankJudge:
             if step != len(self.steps) + 1:
                 raise EvidenceError(f"step {step} recorded after steps {self.steps[-1:] or 'none'}")
             check_step_evidence(rec, self.cell, self.sizes, self.grad_names, self.buffer_sizes)
-            for m in check_step_layouts(rec, self.header["layouts"], self.layout_sizes, self.cell.world_size,
-                                        self.aliases):
-                self.mismatches.append(asdict(m))
+            if not broken_at(self.contracts, rec, self.features, self.cell.world_size):  # [Note: Contracts]
+                for m in check_step_layouts(rec, self.header["layouts"], self.layout_sizes, self.cell.world_size,
+                                            self.aliases):
+                    self.mismatches.append(asdict(m))
             order = self.header["init_order"]
             split = self.cell.data_mode == "split"
             ref = self.reference(step) if self.reference is not None else None
