@@ -52,7 +52,7 @@ FAULT_CASES = {
     "clip_norm_world_group": ("hybrid_shard_clip",),
     "grad_sync_every_micro": ("grad_accumulation",),  # the contracts' ([Note: Contracts])
     "reshard_after_forward_ignored": ("reshard_after_forward_false",),
-    "mesh_dims_swapped": ("no_shard",),
+    "mesh_dims_swapped": ("no_shard", "hybrid_shard"),
     "zero1_state_replicated": ("zero1",),
 }
 # Real architectures (cases/architectures.py): every fault runs on each too, honestly and planted,
