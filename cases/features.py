@@ -75,6 +75,13 @@ class Features:
             return 2, world_size // 2
         return 1, world_size
 
+    def shard_group(self, world_size: int, rank: int) -> frozenset[int]:
+        """The ranks whose shards make up `rank`'s parameters: its row of the (replicate, shard)
+        mesh (harness/adapters/features.py make_mesh lays ranks out row by row)."""
+        _, shard = self.mesh_shape(world_size)
+        first = rank // shard * shard
+        return frozenset(range(first, first + shard))
+
     def batch_divisor(self) -> int:
         """Every rank's batch must split into grad_accum equal micro-batches."""
         return self.grad_accum

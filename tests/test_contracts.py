@@ -28,14 +28,18 @@ FEATURES = {"grad_accumulation": ("gradient_sync_off", "grad_sync_every_micro"),
             "zero1": ("sharded_state", "zero1_state_replicated")}
 
 
-@pytest.fixture(scope="module")
-def judged(tmp_path_factory):
-    plan = build_plan(cases=tuple(FEATURES), impls=("ours", "fsdp2"), world_sizes=(2,), data_modes=None, steps=2,
-                      out_dir=tmp_path_factory.mktemp("contracts"),
-                      fault_copies=tuple(fault for _, fault in FEATURES.values()))
+def _judge(out_dir, **plan_args) -> dict:
+    """Every cell's result of one plan (ours and fsdp2, 2 steps), by cell id."""
+    plan = build_plan(impls=("ours", "fsdp2"), steps=2, out_dir=out_dir, **plan_args)
     torch.set_num_threads(1)
     cells, _, _ = evaluate(plan, run_plan(plan))
     return {r.cell.cell_id: r for r in cells}
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory):
+    return _judge(tmp_path_factory.mktemp("contracts"), cases=tuple(FEATURES), world_sizes=(2,), data_modes=None,
+                  fault_copies=tuple(fault for _, fault in FEATURES.values()))
 
 
 @pytest.mark.slow
@@ -108,12 +112,8 @@ def test_a_contract_applies_where_its_feature_is_on_and_its_adapter_keeps_it():
 def hybrid(tmp_path_factory):
     """HSDP at W = 4 (2 replicas x 2 shards), judged on the ranks: honest ours and fsdp2, and ours
     with its mesh read as (shard, replicate)."""
-    plan = build_plan(cases=("hybrid_shard",), impls=("ours", "fsdp2"), world_sizes=(4,), data_modes=("identical",),
-                      steps=2, out_dir=tmp_path_factory.mktemp("contracts_hsdp"), fault_copies=("mesh_dims_swapped",),
-                      judge_on="ranks")
-    torch.set_num_threads(1)
-    cells, _, _ = evaluate(plan, run_plan(plan))
-    return {r.cell.cell_id: r for r in cells}
+    return _judge(tmp_path_factory.mktemp("contracts_hsdp"), cases=("hybrid_shard",), world_sizes=(4,),
+                  data_modes=("identical",), fault_copies=("mesh_dims_swapped",), judge_on="ranks")
 
 
 @pytest.mark.slow

@@ -95,7 +95,7 @@ class StepRecord:
     layouts: dict | None = None  # this step's, when the implementation reports them per step
     clip_norm: torch.Tensor | None = None  # (W,) float64: each rank's clip norm (NaN: none reported)
     clipped_grads: dict[str, torch.Tensor] | None = None  # the full gradients after clipping, before the step
-    # (W, LEDGER_WIDTH) every rank's collectives of the step, where contracts apply ([Note: Contracts])
+    # (W, fields of LedgerStep) every rank's collectives of the step, where contracts apply ([Note: Contracts])
     collectives: torch.Tensor | None = None
 
     def to_dict(self) -> dict:

@@ -101,7 +101,7 @@ class StepEvidence:
     shards: dict[str, torch.Tensor]  # key -> (W, shard_numel); on the team's rank 0 only (empty elsewhere)
     shard_grads: dict[str, torch.Tensor]  # keys whose gradient every rank has (rank 0 only, as shards)
     padding_intervals: dict[str, list]  # key -> per rank [[start, end), ...]
-    collectives: torch.Tensor | None = None  # (W, LEDGER_WIDTH): every rank's LedgerStep, where counted
+    collectives: torch.Tensor | None = None  # (W, fields of LedgerStep): every rank's, where counted
 
 
 # Evidence is gathered once per batch of steps: with 8 ranks on 2 cores a gloo collective costs
@@ -113,14 +113,6 @@ EVIDENCE_BATCH_BYTES = 64 << 20
 
 def steps_per_gather(num_plain_elements: int) -> int:
     return max(1, EVIDENCE_BATCH_BYTES // max(1, 2 * 8 * num_plain_elements))
-
-
-def shard_group_of(features, world_size: int, rank: int) -> frozenset[int]:
-    """The ranks whose shards make up `rank`'s parameters: its row of the (replicate, shard) mesh
-    (harness/adapters/features.py make_mesh), the `shard_group` contract's ([Note: Contracts])."""
-    _, shard = features.mesh_shape(world_size)
-    first = rank // shard * shard
-    return frozenset(range(first, first + shard))
 
 
 def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEvidence]:
@@ -342,7 +334,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     scheduler = spec.build_scheduler(optim)
     is_writer = world.rank == 0
     contracts = active_contracts(features, ctx.world_size, adapter.contracts)
-    ledger = CollectiveLedger(shard_group_of(features, ctx.world_size, ctx.rank)) if contracts else None
+    ledger = CollectiveLedger(features.shard_group(ctx.world_size, ctx.rank)) if contracts else None
     shadow = (Shadow(case, spec, init_state, ctx.device, init_buffers=init_buffers,
                      record_device=ctx.device if judge_here else torch.device("cpu")) if is_writer else None)
     reshard_steps = features.checkpoint_reshard_at if adapter.reshards_checkpoints else ()
