@@ -35,7 +35,7 @@ from harness.judge.layouts import first_bit_difference
 from harness.judge.contracts import contract_violations, model_size
 from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, CLIP_NORM, GRAD_STATISTICS, RUN_UPDATE_STATISTICS,
                                   UPDATE_STATISTICS, Judgement, Violation, first_of, nan_max)
-from harness.judge.segments import Failing, Segments, SignCounts, judge_segments, sign_counts
+from harness.judge.segments import Failing, Segments, SignCounts, TensorOutcome, judge_segments, sign_counts
 from harness.run.snapshot import digest
 from harness.judge.tolerance import (CHUNK_ELEMENTS, CLIP_COEFFICIENT_ULPS, MAX_MEDIAN_RELATIVE_TOLERANCE,
                                      TRAJECTORY_FACTOR, clip_coefficient, clip_norm_bound,
@@ -532,6 +532,33 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
     return judge.finish(envelopes if ref is not None else None)
 
 
+# [Note: The judge by pieces]
+# Every check of a parameter is elementwise, with per-tensor reductions (the largest ratio and its
+# first element, the counts of the bias check), so a model is judged one piece at a time: a run
+# of consecutive tensors of at most PIECE_ELEMENTS elements (a bigger tensor is a piece of its own),
+# the replay's bounds of those tensors computed from the replay's part for them (`piece_of`; the
+# optimizer-state bounds are carried per tensor), and each piece's per-tensor outcomes folded into
+# the statistics, the step's worst elements and the violations in tensor order after the last
+# piece, as one piece's are. The float64 temporaries of a step then grow with the largest piece,
+# not the model (a GPT-2 of 16.8M parameters: a dozen model-sized float64 arrays, 1.6 GB, at once).
+# Nothing is summed across tensors except the sign counts (integers) and the clipping norm, which a
+# case that clips needs over the whole model: such a case is judged in one piece. A model of at
+# most PIECE_ELEMENTS is one piece, the same computation as before pieces; more pieces give the
+# same verdict, margins and first divergence (tests/test_judge_pieces.py).
+PIECE_ELEMENTS = 1 << 22
+# The replay's records that hold one entry per parameter name.
+PER_NAME_KEYS = ("grads", "abs_grads", "num_terms", "reorder", "params", "hyper", "state")
+
+
+def piece_of(shadow: dict, names: list[str]) -> dict:
+    """The replay's record restricted to `names`, in their order ([Note: The judge by pieces])."""
+    part = dict(shadow)
+    for key in PER_NAME_KEYS:
+        if isinstance(shadow.get(key), dict):
+            part[key] = {n: shadow[key][n] for n in names if n in shadow[key]}
+    return part
+
+
 class CellJudge:
     """The checks of one (cell, optimizer) run, fed one step at a time (`start`, `step`, then
     `finish`): what `check_snapshot` runs over a snapshot, and a rank runs over its own evidence
@@ -585,9 +612,14 @@ class CellJudge:
     def judge(self, check, step, names, seg, actual, expected, tol, step_layouts) -> list[Violation | None]:
         """Per tensor (segment), its violation or None; the step's worst element and the check's
         statistics folded in tensor order."""
+        return self.fold(check, step, names, seg.sizes, judge_segments(seg, actual, expected, tol), step_layouts)
+
+    def fold(self, check, step, names, sizes, outcomes: list[TensorOutcome], step_layouts) -> list[Violation | None]:
+        """`judge`'s second half: per tensor's outcome, its violation or None; the step's worst
+        element and the check's statistics folded in tensor order."""
         worst = self.step_worst.setdefault((step, check), {})
         out = []
-        for name, size, o in zip(names, seg.sizes, judge_segments(seg, actual, expected, tol)):
+        for name, size, o in zip(names, sizes, outcomes):
             self.stats[check].add(o.numel, o.max_ratio)
             if o.numel and not o.max_ratio <= worst.get("margin", -1.0):
                 worst.update(margin=o.max_ratio, diff=o.worst_diff, tol=o.worst_tol, name=name)
@@ -610,23 +642,52 @@ class CellJudge:
             worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
         return tilt if tilt and not tilt.ratio <= 1 else None
 
-    def update_bias(self, step, names, seg, params_flat, replayed, before) -> None:
-        """The bias check of the step's update ([Note: Update bias]), per parameter and over the
-        run; the run's counts get this step's first differences."""
+    def update_counts(self, names, seg, params_flat, replayed, before) -> tuple[list[SignCounts], list[SignCounts]]:
+        """The update bias's counts of these parameters ([Note: Update bias]): per parameter, and
+        per parameter over the elements differing for the first time in the run (which it marks)."""
         diff, update = params_flat - replayed, replayed - before
-        for name, counts in zip(names, sign_counts(seg, diff, update, before)):
-            tilt = self.tilt_of(step, name, counts, UPDATE_STATISTICS)
-            if tilt:
-                self.viol.append(tilt)
+        counts = sign_counts(seg, diff, update, before)
         differed = self._differed
         seen = seg.flat([differed.get(n, torch.zeros(size)) for n, size in zip(names, seg.sizes)]) != 0
         first = sign_counts(seg, torch.where(seen, 0.0, diff), update, before)
         for name, part, size in zip(names, seg.split(seen | (diff != 0)), seg.sizes):
             differed[name] = part.view(size)
+        return counts, first
+
+    def update_bias(self, step, names, counts: list[SignCounts], first: list[SignCounts]) -> None:
+        """The bias check of the step's update ([Note: Update bias]), per parameter and over the
+        run; the run's counts get this step's first differences (`update_counts`)."""
+        for name, c in zip(names, counts):
+            tilt = self.tilt_of(step, name, c, UPDATE_STATISTICS)
+            if tilt:
+                self.viol.append(tilt)
         self._run_counts = sum(first, self._run_counts)
         tilt = self.tilt_of(step, ALL_PARAMETERS, self._run_counts, RUN_UPDATE_STATISTICS)
         if tilt:
             self.viol.append(tilt)
+
+    def all_finite(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether every element of `tensors` is finite, one piece at a time."""
+        return all(bool(torch.isfinite(self.segments(part).flat(list(part.values()))).all())
+                   for part in ({n: tensors[n] for n in piece} for piece in self.pieces(tensors)))
+
+    def pieces(self, tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+        """`tensors`' names in the pieces they are judged in ([Note: The judge by pieces]): one
+        piece for a model below PIECE_ELEMENTS, and for a case that clips (its coefficient is
+        one number over the whole model); else consecutive tensors up to PIECE_ELEMENTS each."""
+        names = list(tensors)
+        if self.case.features.clip_norm_type is not None or sum(t.numel() for t in tensors.values()) <= PIECE_ELEMENTS:
+            return [names] if names else []
+        out: list[list[str]] = [[]]
+        size = 0
+        for name in names:
+            n = tensors[name].numel()
+            if out[-1] and size + n > PIECE_ELEMENTS:
+                out.append([])
+                size = 0
+            out[-1].append(name)
+            size += n
+        return out
 
     def without_a_gradient(self, step, cell_grads, replay_grads, step_layouts) -> list[Violation]:
         """The grad violations of the parameters the cell and the replay do not both give a gradient
@@ -746,10 +807,9 @@ class CellJudge:
         # The shadow starts from the cell's finite parameters of the previous step: a non-finite
         # value in it is the unsharded model diverging, not the implementation.
         _require_finite("loss", step, {"<loss>": shadow["loss"]})
-        shadow_grads = self.segments(shadow["grads"]).flat(list(shadow["grads"].values()))
-        if not bool(torch.isfinite(shadow_grads).all()):
+        if not self.all_finite(shadow["grads"]):
             _require_finite("gradient", step, shadow["grads"])
-        if not bool(torch.isfinite(self.segments(shadow["params"]).flat(list(shadow["params"].values()))).all()):
+        if not self.all_finite(shadow["params"]):
             _require_finite("parameter", step, shadow["params"])
 
         # nonfinite: the cell's own values, first occurrence named
@@ -759,15 +819,13 @@ class CellJudge:
             if not finite:
                 viol.append(Violation(kind, step, "nonfinite", "<loss>", float("inf"), float("inf"), 0.0,
                                       loss_values[r], float("nan"), rank=r))
-        grad_names = list(rec["grads"])
-        grads_flat = self.segments(rec["grads"]).flat(list(rec["grads"].values()))
         # The cell's gradients the replay has too; the others are judged as no gradient
         # ([Note: Parameters without a gradient]).
         no_grad_viol = self.without_a_gradient(step, rec["grads"], shadow["grads"], step_layouts)
         judged_grads = {n: g for n, g in rec["grads"].items() if n in shadow["grads"]}
-        cell_params_flat = self.segments(rec["params"]).flat(list(rec["params"].values()))
-        stats["nonfinite"].add(grads_flat.numel() + cell_params_flat.numel())
-        if not (bool(torch.isfinite(grads_flat).all()) and bool(torch.isfinite(cell_params_flat).all())):
+        stats["nonfinite"].add(sum(g.numel() for g in rec["grads"].values())
+                               + sum(p.numel() for p in rec["params"].values()))
+        if not (self.all_finite(rec["grads"]) and self.all_finite(rec["params"])):
             for group in (rec["grads"], rec["params"]):
                 for name, t in group.items():
                     v = _nonfinite(kind, step, name, t, step_layouts.get(name))
@@ -812,68 +870,90 @@ class CellJudge:
         self._buffers_before = rec["buffers"]["values"]
 
         # grad: within the reduction bound of the exact mean of the local terms; param: that bound
-        # through clipping and the optimizer
+        # through clipping and the optimizer. Judged piece by piece ([Note: The judge by pieces]):
+        # each piece's outcomes per tensor, then folded in tensor order.
         viol.extend(no_grad_viol)
-        if len(judged_grads) != len(grad_names):
-            grad_names = list(judged_grads)
-            grads_flat = self.segments(judged_grads).flat(list(judged_grads.values()))
-        seg = self.same_shapes("grad", step, grad_names, list(judged_grads.values()),
-                               [shadow["grads"][n] for n in grad_names])
+        grad_names = list(judged_grads)
+        for name in grad_names:
+            if judged_grads[name].shape != shadow["grads"][name].shape:
+                raise ValueError(f"grad '{name}' step={step}: shape {tuple(judged_grads[name].shape)} != expected "
+                                 f"{tuple(shadow['grads'][name].shape)}")
+        pieces = self.pieces(judged_grads)
+
+        def flats(piece: list[str]) -> tuple[Segments, dict, torch.Tensor, torch.Tensor]:
+            """The piece's segments, its part of the replay, the cell's and the replay's gradients."""
+            seg = self.segments({n: judged_grads[n] for n in piece})
+            return (seg, piece_of(shadow, piece), seg.flat([judged_grads[n] for n in piece]),
+                    seg.flat([shadow["grads"][n] for n in piece]))
+
         later = shadow.get("reorder_later")
         if later is not None and not shadow.get("reorder") and (
                 step_bounds.reordered_from is not None
-                or _leaves_reduction_bound(step_bounds, shadow, grad_names, grads_flat, shadow_grads)):
+                or any(_leaves_reduction_bound(step_bounds, *flats(piece)[1:]) for piece in pieces)):
             shadow["reorder"] = later()  # needed: computed now (harness/judge/shadow.py Shadow.step)
-        if step_bounds.reordered_from is None:
-            tol_seg, reduction_tol, allowance = step_bounds.grad_bounds(shadow)
-            if allowance is not None:
-                if grad_names != list(shadow["grads"]):
-                    reduction_tol, allowance, exact = (_reordered(tol_seg, list(shadow["grads"]), t, grad_names)
-                                                       for t in (reduction_tol, allowance, shadow_grads))
-                else:
-                    exact = shadow_grads
-                step_bounds.reordered_from = _local_reordering(step, grad_names, seg, grads_flat, exact,
-                                                               reduction_tol, reduction_tol + allowance)
+        if step_bounds.reordered_from is None and shadow.get("reorder"):
+            candidates = []
+            for piece in pieces:
+                seg, part, actual, exact = flats(piece)
+                _, reduction_tol, allowance = step_bounds.grad_bounds(part)
+                candidates.append(_reordering_candidate(piece, seg, actual, exact, reduction_tol,
+                                                        reduction_tol + allowance))
+                del seg, part, actual, exact, reduction_tol, allowance
+            step_bounds.reordered_from = _local_reordering(step, candidates)
         clip_norms = rec.get("clip_norm")
-        tol_seg, grad_tol, param_tol = step_bounds.step_flat(step, shadow, step_bounds.reordered_from is not None,
-                                                             clip_norms)
+        reordered = step_bounds.reordered_from is not None
+        outcomes: dict[str, list] = {"grad": [], "bias": [], "param": [], "update": [], "first": []}
+        for piece in pieces:
+            seg, part, grads_flat, shadow_grads = flats(piece)
+            _, grad_tol, param_tol = step_bounds.step_flat(step, part, reordered, clip_norms)
+            outcomes["grad"] += judge_segments(seg, grads_flat, shadow_grads, grad_tol)
+            stats["grad"].add_samples(seg, grad_tol, shadow_grads)
+            if not reordered:
+                outcomes["bias"] += sign_counts(seg, grads_flat - shadow_grads, shadow_grads)
+            del grads_flat, shadow_grads, grad_tol
+            params_flat = seg.flat([rec["params"][n] for n in piece])
+            shadow_flat = seg.flat([shadow["params"][n] for n in piece])
+            for n in piece:
+                if rec["params"][n].shape != shadow["params"][n].shape:
+                    raise ValueError(f"param '{n}' step={step}: shape {tuple(rec['params'][n].shape)} != expected "
+                                     f"{tuple(shadow['params'][n].shape)}")
+            outcomes["param"] += judge_segments(seg, params_flat, shadow_flat, param_tol)
+            stats["param"].add_samples(seg, param_tol, shadow_flat)
+            if not step_bounds.clip_may_have_acted and not reordered:  # [Note: Update bias]
+                counts, first = self.update_counts(piece, seg, params_flat, shadow_flat,
+                                                   seg.flat([self._params_before[n] for n in piece]))
+                outcomes["update"] += counts
+                outcomes["first"] += first
+            del seg, part, params_flat, shadow_flat, param_tol
         if clip_norms is not None and step_bounds.clip_norm is not None:
             viol.extend(self.clip_check(step, clip_norms, *step_bounds.clip_norm))
             if rec.get("clipped_grads") is not None and bool(torch.isfinite(clip_norms).all()):
                 viol.extend(self.clip_coefficient_check(step, rec["grads"], rec["clipped_grads"],
                                                         float(clip_norms[0]), step_layouts))
-        if grad_names != list(shadow["grads"]):  # the tolerances and the shadow's flat follow its order
-            grad_tol, param_tol, shadow_grads = (_reordered(tol_seg, list(shadow["grads"]), t, grad_names)
-                                                 for t in (grad_tol, param_tol, shadow_grads))
-        grad_viol = self.judge("grad", step, grad_names, seg, grads_flat, shadow_grads, grad_tol, step_layouts)
-        stats["grad"].add_samples(seg, grad_tol, shadow_grads)
-        if step_bounds.reordered_from is None:
+        grad_sizes = [judged_grads[n].shape for n in grad_names]
+        grad_viol = self.fold("grad", step, grad_names, grad_sizes, outcomes["grad"], step_layouts)
+        if not reordered:
             bias_viol = [self.tilt_of(step, name, counts, GRAD_STATISTICS)
-                         for name, counts in zip(grad_names, sign_counts(seg, grads_flat - shadow_grads, shadow_grads))]
+                         for name, counts in zip(grad_names, outcomes["bias"])]
         else:
             bias_viol = [None] * len(grad_names)
         # No gradient (frozen, or none this step): no arithmetic touches the parameter, so it must
         # match the replay's step exactly ([Note: Parameters without a gradient]).
         frozen = [n for n in rec["params"] if n not in judged_grads]
-        param_names = grad_names + frozen
-        params = {n: rec["params"][n] for n in param_names}
-        shadow_params = [shadow["params"][n] for n in param_names]
-        seg = self.same_shapes("param", step, param_names, list(params.values()), shadow_params)
-        params_flat = cell_params_flat if list(rec["params"]) == param_names else seg.flat(list(params.values()))
-        shadow_flat = seg.flat(shadow_params)
-        frozen_tol = torch.zeros(seg.total - param_tol.numel(), dtype=torch.float64)
-        param_viol = self.judge("param", step, param_names, seg, params_flat, shadow_flat,
-                                torch.cat([param_tol, frozen_tol]), step_layouts)
-        stats["param"].add_samples(self.segments({n: params[n] for n in grad_names}), param_tol,
-                                   shadow_flat[:param_tol.numel()])
+        if frozen:
+            actual, expected = [rec["params"][n] for n in frozen], [shadow["params"][n] for n in frozen]
+            seg = self.same_shapes("param", step, frozen, actual, expected)
+            outcomes["param"] += judge_segments(seg, seg.flat(actual), seg.flat(expected),
+                                                torch.zeros(seg.total, dtype=torch.float64))
+            del actual, expected
+        param_viol = self.fold("param", step, grad_names + frozen,
+                               grad_sizes + [rec["params"][n].shape for n in frozen], outcomes["param"], step_layouts)
         for triple in zip(grad_viol, bias_viol, param_viol):
             viol.extend(v for v in triple if v)
         viol.extend(v for v in param_viol[len(grad_names):] if v)
         # bias of the updates: the parameters' differences from the replayed step
-        if not step_bounds.clip_may_have_acted and step_bounds.reordered_from is None:
-            grad_seg = self.segments({n: params[n] for n in grad_names})
-            self.update_bias(step, grad_names, grad_seg, params_flat[:grad_seg.total], shadow_flat[:grad_seg.total],
-                             grad_seg.flat([self._params_before[n] for n in grad_names]))
+        if not step_bounds.clip_may_have_acted and not reordered:
+            self.update_bias(step, grad_names, outcomes["update"], outcomes["first"])
         self._params_before = rec["params"]
 
         # replicas: every rank's full tensors bitwise equal
@@ -1017,33 +1097,49 @@ def result_from_record(d: dict) -> OptimizerResult:
                            stopped_after=d["stopped_after"], neighbourhood=d.get("neighbourhood"))
 
 
-def _leaves_reduction_bound(step_bounds: StepBounds, shadow: dict, names: list[str], actual: torch.Tensor,
-                            exact: torch.Tensor) -> bool:
+def _leaves_reduction_bound(step_bounds: StepBounds, shadow: dict, actual: torch.Tensor, exact: torch.Tensor) -> bool:
     """Whether a gradient element leaves the reduction bound (|diff| / bound > 1, NaN not): where
     none does, `_local_reordering` finds no reordering whatever the allowance, so a replay run
-    without the reordered replays (Shadow.step reorder=False) needs them only then."""
-    tol_seg, reduction_tol, _ = step_bounds.grad_bounds(shadow)
-    if names != list(shadow["grads"]):
-        reduction_tol, exact = (_reordered(tol_seg, list(shadow["grads"]), t, names) for t in (reduction_tol, exact))
+    without the reordered replays (Shadow.step reorder=False) needs them only then. `actual` and
+    `exact` are flat in the order of shadow["grads"]."""
+    _, reduction_tol, _ = step_bounds.grad_bounds(shadow)
     ratio = (actual - exact).abs() / reduction_tol
     return bool((ratio > 1).any())
 
 
-def _local_reordering(step: int, names: list[str], seg: Segments, actual: torch.Tensor, expected: torch.Tensor,
-                      reduction_tol: torch.Tensor, tol: torch.Tensor) -> dict | None:
-    """Where the cell's gradients leave the reduction bound and stay within the reordering
-    allowance (its local backward summed contributions in another order than the plain model's),
-    the tensor that leaves the reduction bound most, or None. Where they leave the allowance too,
-    the grad check fails and the bias check stays applied. A NaN is left to the nonfinite check."""
+def _reordering_candidate(names: list[str], seg: Segments, actual: torch.Tensor, expected: torch.Tensor,
+                          reduction_tol: torch.Tensor, tol: torch.Tensor) -> tuple[float, str] | bool:
+    """One piece's part of `_local_reordering`: False where an element leaves the allowance `tol`
+    (or is NaN), True where none leaves the reduction bound, else (the largest ratio to the
+    reduction bound, its tensor: the first of equals)."""
     diff = (actual - expected).abs()
     if not bool((diff <= tol).all()):
-        return None
+        return False
     ratio = diff / reduction_tol
     ratio = torch.where(torch.isnan(ratio) | (ratio <= 1), 0.0, ratio)
     if not bool((ratio > 0).any()):
-        return None
+        return True
     at = int(ratio.argmax())
-    return {"step": step, "name": names[int(seg.ids[at])], "ratio": float(ratio[at])}
+    return float(ratio[at]), names[int(seg.ids[at])] if not seg.per_tensor else names[_segment_of(seg, at)]
+
+
+def _segment_of(seg: Segments, index: int) -> int:
+    return next(s for s, (a, b) in enumerate(seg.ranges()) if a <= index < b)
+
+
+def _local_reordering(step: int, candidates: list[tuple[float, str] | bool]) -> dict | None:
+    """Where the cell's gradients leave the reduction bound and stay within the reordering
+    allowance (its local backward summed contributions in another order than the plain model's),
+    the tensor that leaves the reduction bound most, or None. Where they leave the allowance too,
+    the grad check fails and the bias check stays applied. A NaN is left to the nonfinite check.
+    `candidates`: each piece's `_reordering_candidate`, in tensor order."""
+    if any(c is False for c in candidates):
+        return None
+    best = None
+    for c in candidates:
+        if c is not True and (best is None or c[0] > best[0]):
+            best = c
+    return None if best is None else {"step": step, "name": best[1], "ratio": best[0]}
 
 
 def _reordered(seg: Segments, names: list[str], flat_tensor: torch.Tensor, order: list[str]) -> torch.Tensor:
