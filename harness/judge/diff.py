@@ -535,7 +535,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
 # [Note: The judge by pieces]
 # Every check of a parameter is elementwise, with per-tensor reductions (the largest ratio and its
 # first element, the counts of the bias check), so a model is judged one piece at a time: a run
-# of consecutive tensors of at most PIECE_ELEMENTS elements (a bigger tensor is a piece of its own),
+# of consecutive tensors of at most PIECE_ELEMENTS (2^20) elements (a bigger tensor is a piece of its own),
 # the replay's bounds of those tensors computed from the replay's part for them (`piece_of`; the
 # optimizer-state bounds are carried per tensor), and each piece's per-tensor outcomes folded into
 # the statistics, the step's worst elements and the violations in tensor order after the last
@@ -545,9 +545,28 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
 # case that clips needs over the whole model: such a case is judged in one piece. A model of at
 # most PIECE_ELEMENTS is one piece, the same computation as before pieces; more pieces give the
 # same verdict, margins and first divergence (tests/test_judge_pieces.py).
-PIECE_ELEMENTS = 1 << 22
+PIECE_ELEMENTS = 1 << 20
 # The replay's records that hold one entry per parameter name.
 PER_NAME_KEYS = ("grads", "abs_grads", "num_terms", "reorder", "params", "hyper", "state")
+
+
+def pieces_of(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+    """`tensors`' names in pieces ([Note: The judge by pieces]): all of them in one when they
+    hold at most PIECE_ELEMENTS elements; else runs of consecutive tensors of at most
+    PIECE_ELEMENTS each (a bigger tensor alone)."""
+    names = list(tensors)
+    if sum(t.numel() for t in tensors.values()) <= PIECE_ELEMENTS:
+        return [names] if names else []
+    out: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = tensors[name].numel()
+        if out[-1] and size + n > PIECE_ELEMENTS:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += n
+    return out
 
 
 def piece_of(shadow: dict, names: list[str]) -> dict:
@@ -673,21 +692,10 @@ class CellJudge:
 
     def pieces(self, tensors: dict[str, torch.Tensor]) -> list[list[str]]:
         """`tensors`' names in the pieces they are judged in ([Note: The judge by pieces]): one
-        piece for a model below PIECE_ELEMENTS, and for a case that clips (its coefficient is
-        one number over the whole model); else consecutive tensors up to PIECE_ELEMENTS each."""
-        names = list(tensors)
-        if self.case.features.clip_norm_type is not None or sum(t.numel() for t in tensors.values()) <= PIECE_ELEMENTS:
-            return [names] if names else []
-        out: list[list[str]] = [[]]
-        size = 0
-        for name in names:
-            n = tensors[name].numel()
-            if out[-1] and size + n > PIECE_ELEMENTS:
-                out.append([])
-                size = 0
-            out[-1].append(name)
-            size += n
-        return out
+        for a case that clips (its coefficient is one number over the whole model)."""
+        if self.case.features.clip_norm_type is not None:
+            return [list(tensors)] if tensors else []
+        return pieces_of(tensors)
 
     def without_a_gradient(self, step, cell_grads, replay_grads, step_layouts) -> list[Violation]:
         """The grad violations of the parameters the cell and the replay do not both give a gradient
@@ -780,9 +788,16 @@ class CellJudge:
         expected_init = [self.init_state[n] for n in init_names]
         seg = self.same_shapes("init", 0, init_names, init_params, expected_init)
         self.stats["nonfinite"].add(seg.total)
-        init_viol = self.judge("init", 0, init_names, seg, seg.flat(init_params), seg.flat(expected_init),
-                               torch.zeros(seg.total, dtype=torch.float64), layouts)
-        for pair in zip(self.nonfinite(0, init_names, init_params, layouts), init_viol):
+        outcomes: list[TensorOutcome] = []
+        for piece in self.pieces(init["params"]):  # [Note: The judge by pieces]
+            part = self.segments({n: init["params"][n] for n in piece})
+            outcomes += judge_segments(part, part.flat([init["params"][n] for n in piece]),
+                                       part.flat([self.init_state[n] for n in piece]),
+                                       torch.zeros(part.total, dtype=torch.float64))
+        init_viol = self.fold("init", 0, init_names, seg.sizes, outcomes, layouts)
+        nonfinite = ([None] * len(init_names) if self.all_finite(init["params"])
+                     else self.nonfinite(0, init_names, init_params, layouts))
+        for pair in zip(nonfinite, init_viol):
             viol.extend(v for v in pair if v)
         self._buffers_before = init["buffers"]["values"]
         viol.extend(buffer_violations(kind, 0, init["buffers"], self.init_buffers or {}, None, self.stats["buffers"]))
@@ -1242,19 +1257,27 @@ def trajectory_deviation(step: int, params: dict[str, torch.Tensor], ref_params:
     None: the judge, which has the cell's layouts, names them, `CellJudge.take_trajectory`)."""
     names = list(params)
     _same_parameter_shapes(step, params, ref_params)
-    cell, ref = [params[n] for n in names], [ref_params[n] for n in names]
-    seg = Segments([p.shape for p in cell])
-    ref_flat = seg.flat(ref)
-    # A one-ulp flip of the last rounding needs no gradient difference to happen (AdamW's
-    # first update is lr * sign(g)), so the envelope starts at the largest element's ulp.
-    floor = 2 * u_param * seg.max(ref_flat.abs())
-    cell_flat = seg.flat(cell)
-    deviation = (cell_flat - ref_flat).abs()
-    at = seg.argmax(deviation)
-    values = torch.stack([cell_flat[at], ref_flat[at]]).tolist()
-    index = [flat_index - seg.offsets[s] for s, flat_index in enumerate(at.tolist())]
-    return TrajectoryDeviation(step, names, seg.sizes, deviation[at], index, values[0], values[1], floor,
-                               [None] * len(names))
+    floors, deviations, index, cell_values, ref_values = [], [], [], [], []
+    for piece in pieces_of(params):  # [Note: The judge by pieces]: every figure is per parameter
+        cell, ref = [params[n] for n in piece], [ref_params[n] for n in piece]
+        seg = Segments([p.shape for p in cell])
+        ref_flat = seg.flat(ref)
+        # A one-ulp flip of the last rounding needs no gradient difference to happen (AdamW's
+        # first update is lr * sign(g)), so the envelope starts at the largest element's ulp.
+        floors.append(2 * u_param * seg.max(ref_flat.abs()))
+        cell_flat = seg.flat(cell)
+        deviation = (cell_flat - ref_flat).abs()
+        at = seg.argmax(deviation)
+        values = torch.stack([cell_flat[at], ref_flat[at]]).tolist()
+        index += [flat_index - seg.offsets[s] for s, flat_index in enumerate(at.tolist())]
+        deviations.append(deviation[at])
+        cell_values += values[0]
+        ref_values += values[1]
+        del ref_flat, cell_flat, deviation
+    empty = torch.zeros(0, dtype=torch.float64)
+    return TrajectoryDeviation(step, names, [params[n].shape for n in names],
+                               torch.cat(deviations) if deviations else empty, index, cell_values, ref_values,
+                               torch.cat(floors) if floors else empty, [None] * len(names))
 
 
 def trajectory_envelope(ref_params: dict[str, torch.Tensor], perturbed_params: list[dict[str, torch.Tensor]]
@@ -1266,13 +1289,19 @@ def trajectory_envelope(ref_params: dict[str, torch.Tensor], perturbed_params: l
     for name, p_ref in zip(names, ref):
         if p_ref.numel() == 0:  # the envelope of an empty tensor has no max: raises as ever
             torch.stack([(run[name].double() - p_ref.double()).abs().max() for run in perturbed_params])
-    seg = Segments([p.shape for p in ref])
-    ref_flat = seg.flat(ref)
-    envelope = None
-    for run in perturbed_params:
-        run_max = seg.max((seg.flat([run[n] for n in names]) - ref_flat).abs())
-        envelope = run_max if envelope is None else torch.maximum(envelope, run_max)
-    return dict(zip(names, envelope.unbind())) if envelope is not None else {}
+    if not perturbed_params:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for piece in pieces_of(ref_params):  # [Note: The judge by pieces]: a max per parameter
+        seg = Segments([ref_params[n].shape for n in piece])
+        ref_flat = seg.flat([ref_params[n] for n in piece])
+        envelope = None
+        for run in perturbed_params:
+            run_max = seg.max((seg.flat([run[n] for n in piece]) - ref_flat).abs())
+            envelope = run_max if envelope is None else torch.maximum(envelope, run_max)
+        out.update(zip(piece, envelope.unbind()))
+        del ref_flat
+    return out
 
 
 def judge_trajectory(kind: str, dev: TrajectoryDeviation, envelope: dict[str, torch.Tensor], stats: CheckStats,

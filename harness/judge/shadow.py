@@ -376,9 +376,14 @@ class Shadow:
 
     def step(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
              buffers_before: dict[str, torch.Tensor] | None = None, reorder: bool = True,
-             clip_norm: float | None = None) -> dict:
+             clip_norm: float | None = None, borrow: bool = False) -> dict:
         """One step replayed from the cell's parameters (and buffers, when given; else the shadow's
         own) before it; "buffers" in the result are rank 0's after its forward passes.
+
+        With `borrow` the record's parameters and optimizer state are the shadow's own tensors,
+        and "reorder_later" holds `params_before` itself: a record valid until the next step (or
+        `params_before` changes), for a judge that takes each step before the next is replayed
+        (harness/run/judged.py), instead of copies of the model kept for a snapshot.
 
         With `reorder` off the reordered replays are not run: "reorder" is empty and
         "reorder_later" computes it when a judge needs it (`reorder_allowance`). With `clip_norm`
@@ -401,19 +406,25 @@ class Shadow:
             "num_terms": {n: k for n, k in self.num_terms(world_size).items() if n in grads},
             # Per gradient tensor, the allowance for a reordered accumulation of the local backward.
             "reorder": _allowance(reordered),
-            "params": {n: p.detach().to(self.record_device).clone() for n, p in self.params.items()},
+            "params": {n: self._recorded(p, borrow) for n, p in self.params.items()},
             "buffers": buffers,
             "hyper": hyper,
             "state": {
-                n: {k: v.detach().to(self.record_device).clone() for k, v in self.optim.state[p].items() if isinstance(v, torch.Tensor)}
+                n: {k: self._recorded(v, borrow) for k, v in self.optim.state[p].items() if isinstance(v, torch.Tensor)}
                 for n, p in self.params.items()
             },
         }
         if not reorder:
-            before = {n: t.detach().clone() for n, t in params_before.items()}
+            before = {n: t.detach() if borrow else t.detach().clone() for n, t in params_before.items()}
             buffers = None if buffers_before is None else {n: b.detach().clone() for n, b in buffers_before.items()}
             out["reorder_later"] = lambda: self.reorder_allowance(before, batch, data_mode, world_size, buffers, seed)
         return out
+
+    def _recorded(self, t: torch.Tensor, borrow: bool) -> torch.Tensor:
+        """`t` as a record holds it: a copy on the record's device, or `t` itself when borrowed there."""
+        t = t.detach()
+        out = t.to(self.record_device)
+        return out if borrow and out is t else out.clone() if out is t else out
 
     def _optimizer_step(self, grads: dict[str, torch.Tensor], clip_norm: float | None) -> dict[str, dict]:
         """Step the plain optimizer (and scheduler) with `grads` rounded to the parameter dtype,
@@ -430,6 +441,8 @@ class Shadow:
             torch.nn.utils.clip_grad_norm_(list(self.params.values()), *self.clip)
         hyper = self.hyperparameters()  # this step's, before the scheduler moves the learning rate
         self.optim.step()
+        for p in self.params.values():
+            p.grad = None  # stepped: a model-sized copy less until the next step
         if self.scheduler is not None:
             self.scheduler.step()
         return hyper

@@ -37,7 +37,8 @@ from harness.judge.contracts import active_contracts
 from harness.run.collectives import CollectiveLedger
 from harness.run.judged import RankJudge, on_device, record_on
 from harness.run.plan import REFERENCE_IMPL, Cell
-from harness.run.rank import pick_evidence, pick_grads, rank_epilogue, rank_prologue, replica_digests, train_step
+from harness.run.rank import (pick_evidence, pick_grads, rank_epilogue, rank_prologue, release_freed_memory,
+                              replica_digests, train_step)
 from harness.judge.shadow import Shadow, load_nonpersistent_buffers
 from harness.run.snapshot import (Buffers, Snapshot, StepRecord, build_init, complete_path, decode, digest, encode,
                                   judged_path, load_init, state_digest,
@@ -64,9 +65,10 @@ def _gather_rows(t: torch.Tensor, ctx: RankContext) -> torch.Tensor | None:
     t = t.detach().reshape(-1).contiguous()
     if ctx.group is None:
         return t.unsqueeze(0).clone()
-    rows = [t.new_empty(t.numel()) for _ in range(ctx.world_size)] if ctx.rank == 0 else None
-    dist.gather(t, rows, dst=dist.get_global_rank(ctx.group, 0), group=ctx.group)
-    return torch.stack(rows) if rows is not None else None
+    out = t.new_empty((ctx.world_size, t.numel())) if ctx.rank == 0 else None  # received in place, row by row
+    dist.gather(t, list(out.unbind(0)) if out is not None else None, dst=dist.get_global_rank(ctx.group, 0),
+                group=ctx.group)
+    return out
 
 
 @dataclass(frozen=True)
@@ -139,8 +141,11 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
         at += 2 * num
     # The losses, clip norms, digests and padding intervals to every rank; the raw shards, the
     # model's size, to the team's rank 0 alone, which records them (the others would only hold
-    # them). fp32, bf16 and fp16 values are exact in fp64.
-    small, big = [], []
+    # them), in their own dtypes (one gather per dtype), read back as views of the gathered rows.
+    # fp32, bf16 and fp16 values are exact in fp64.
+    small: list[torch.Tensor] = []
+    big: dict[torch.dtype, list[torch.Tensor]] = {}
+    big_at: dict[torch.dtype, int] = {}
     for p, shape in zip(parts, layout):
         small += [p.loss.double().reshape(1), torch.tensor([math.nan if p.clip_norm is None else p.clip_norm],
                                                            dtype=torch.float64, device=device),
@@ -149,14 +154,19 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
         for raw, (cap, has_grad) in zip(p.raws, shape):
             intervals = list(raw.padding_intervals) + [(0, 0)] * (cap - len(raw.padding_intervals))
             small.append(torch.tensor(intervals, dtype=torch.float64, device=device).reshape(-1))
-            big.append(raw.data.double().reshape(-1))
+            big.setdefault(raw.data.dtype, []).append(raw.data.reshape(-1))
             if has_grad:
-                big.append(raw.grad.double().reshape(-1))
+                big.setdefault(raw.grad.dtype, []).append(raw.grad.reshape(-1))
     rows = _all_gather_rows(torch.cat(small), ctx).cpu()  # (W, n)
-    big_rows = _gather_rows(torch.cat(big), ctx) if big else torch.zeros(ctx.world_size, 0, dtype=torch.float64)
-    big_rows = big_rows.cpu() if big_rows is not None else None
-    del big
-    out, at, big_at = [], 0, 0
+    big_rows: dict[torch.dtype, torch.Tensor] | None = {}
+    for dtype in sorted(big, key=str):  # the same order on every rank: each enters the same gathers
+        gathered = _gather_rows(torch.cat(big.pop(dtype)), ctx)
+        if gathered is None:
+            big_rows = None
+        elif big_rows is not None:
+            big_rows[dtype] = gathered.cpu()
+        big_at[dtype] = 0
+    out, at = [], 0
     for p, shape in zip(parts, layout):
         losses = rows[:, at].to(p.loss.dtype)
         clip_norms = rows[:, at + 1].clone()
@@ -170,18 +180,17 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
             per_rank = rows[:, at : at + 2 * cap].long().view(ctx.world_size, cap, 2).tolist()
             padding_intervals[raw.key] = [[[a, b] for a, b in ivs if b > a] for ivs in per_rank]
             at += 2 * cap
-            if big_rows is not None:
-                shards[raw.key] = big_rows[:, big_at : big_at + n].to(raw.data.dtype)
-            big_at += n
-            if has_grad:
+            for into, t in ((shards, raw.data), (shard_grads, raw.grad if has_grad else None)):
+                if t is None:
+                    continue
                 if big_rows is not None:
-                    shard_grads[raw.key] = big_rows[:, big_at : big_at + n].to(raw.grad.dtype)
-                big_at += n
+                    into[raw.key] = big_rows[t.dtype][:, big_at[t.dtype] : big_at[t.dtype] + n]
+                big_at[t.dtype] += n
         out.append(StepEvidence(losses, digests, clip_norms, shards, shard_grads, padding_intervals, collectives))
-    if at != rows.shape[1] or (big_rows is not None and big_at != big_rows.shape[1]):
+    if at != rows.shape[1] or (big_rows is not None and any(big_at[d] != r.shape[1] for d, r in big_rows.items())):
         raise RuntimeError(f"rank {ctx.rank}: gathered {rows.shape[1]} + "
-                           f"{big_rows.shape[1] if big_rows is not None else '?'} evidence values per rank, "
-                           f"read {at} + {big_at}")
+                           f"{[r.shape[1] for r in big_rows.values()] if big_rows is not None else '?'} evidence "
+                           f"values per rank, read {at} + {list(big_at.values())}")
     return out
 
 
@@ -374,6 +383,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     per_gather = steps_per_gather(sum(p.numel() for p in plain.parameters()))
     # Steps taken, not gathered yet: (step, this rank's parts, number of replica digests, rank 0's record).
     pending: list[tuple[int, StepParts, int, dict]] = []
+    # A judge that takes each step before the next is replayed reads the replay's own tensors.
+    borrow = judge is not None and per_gather == 1
     for step in range(1, cell.steps + 1):
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = map_tensors(lambda t: t.to(ctx.device),
@@ -402,7 +413,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                       # judged here: the reordered replays only where the judge needs them
                       "shadow": shadow.step(params_before, batch, cell.data_mode, ctx.world_size,
                                             buffers_before=buffers_before, reorder=judge is None,
-                                            clip_norm=clip_norm),
+                                            clip_norm=clip_norm, borrow=borrow),
                       "layouts": adapter.layouts(wrapped)}
         if helper is not None:
             to_compare[step] = ({"step": step, "grads": _detached(grads), "params": _detached(params)},
@@ -436,6 +447,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                     if judge is not None:
                         judge.start({"params": _detached(init_params),
                                      "buffers": Buffers(_detached(init_bufs), init_buffer_digests).to_dict()})
+                        init_params = None  # judged: only a snapshot needs them again
                 if record:
                     rec = StepRecord(
                         taken, ev.losses, record["grads"], record["params"], Buffers(record["buffers"], buffer_digests),
@@ -447,6 +459,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                         steps.append(rec)
                     else:  # judged now, and let go
                         judge.take(rec.to_dict())
+                        del rec
+                        release_freed_memory()
             pending, gathered = [], []
         if step in reshard_steps:
             shard_size = max(1, ctx.world_size // 2 ** (reshard_steps.index(step) + 1))
@@ -705,6 +719,7 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
             envelopes = perturbed_envelopes(cell, spec, init_state, init_buffers, ctx.device,
                                             perturbed_seeds(ctx.rank, ctx.world_size))
             perturbed_store.set(f"{spec.kind}/{ctx.rank}", encode(envelopes))
+            release_freed_memory()
     for spec in case.optimizers if runs_here else ():
         snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers, judge_here, run_id,
                             init_digest, ctx.world_size if shares else 1)
@@ -719,6 +734,8 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
         elif snapshot is not None:
             snapshot["run_id"] = run_id
             save_snapshot(snapshot_path(snapshot_dir, cell.cell_id, spec.kind), snapshot)
+        snapshot = None
+        release_freed_memory()
     # Every rank finished this cell (a failure later in the launch is not its); rank 0 writes its
     # record (wall_s: the cell's time in the ranks, its JUnit test case's time), and no rank goes
     # on (and may fail at exit) before the record exists.
