@@ -137,3 +137,13 @@ def test_auto_judges_big_models_on_the_ranks_unless_the_snapshots_are_asked_for(
     assert kept.judged_on_ranks == ()
     forced = cli._plan_from_args(cli.build_parser().parse_args(args + ["--keep-evidence", "--judge-on", "ranks"]))
     assert forced.judged_on_ranks == ("mlp", "transformer")
+
+
+def test_frozen_parameters_are_judged_as_the_parent_judges_them(tmp_path_factory):
+    """frozen_params' layouts read the raw shards across their rows (a replicated, trainable bias
+    beside frozen weights): the rows a rank gathers must be the snapshot's, contiguous and bitwise."""
+    tmp = tmp_path_factory.mktemp("judged_frozen")
+    args = dict(cases=("frozen_params",), world_sizes=(2,), steps=2, fault_copies=())
+    (_, parent, _), (_, ranks, _) = _run(tmp, "parent", **args), _run(tmp, "ranks", **args)
+    _assert_same_results(parent, ranks)
+    assert all(str(r.verdict) == "pass" for r in ranks.values())

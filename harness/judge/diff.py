@@ -35,7 +35,8 @@ from harness.judge.layouts import first_bit_difference
 from harness.judge.contracts import contract_violations, model_size
 from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, CLIP_NORM, GRAD_STATISTICS, RUN_UPDATE_STATISTICS,
                                   UPDATE_STATISTICS, Judgement, Violation, first_of, nan_max)
-from harness.judge.segments import Failing, Segments, SignCounts, TensorOutcome, judge_segments, sign_counts
+from harness.judge.segments import (Failing, Segments, SignCounts, TensorOutcome, judge_segments, kept_for_signs,
+                                    merge_outcomes, sign_counts, sign_counts_of_kept)
 from harness.run.snapshot import digest
 from harness.judge.tolerance import (CHUNK_ELEMENTS, CLIP_COEFFICIENT_ULPS, MAX_MEDIAN_RELATIVE_TOLERANCE,
                                      TRAJECTORY_FACTOR, clip_coefficient, clip_norm_bound,
@@ -336,6 +337,18 @@ class CheckStats:
         if at.numel():
             self.rel_tol_samples.append(tol[at] / value[at].abs())
 
+    def add_slice_samples(self, tol: torch.Tensor, value: torch.Tensor, seen: int, nonzero: int) -> int:
+        """`add_samples` of one tensor judged in slices ([Note: The judge by pieces]), for one slice
+        (flat float64 tol and value): `seen` of the tensor's `nonzero` values were in the slices
+        before it; the same elements as one segment of the whole tensor gives. Returns `seen` after."""
+        at = (value != 0).nonzero().reshape(-1)
+        n = at.numel()
+        if nonzero > 4096:
+            at = at[torch.arange(seen, seen + n) % (nonzero // 4096 + 1) == 0]
+        if at.numel():
+            self.rel_tol_samples.append(tol[at] / value[at].abs())
+        return seen + n
+
     def summary(self) -> dict:
         rel = torch.cat(self.rel_tol_samples) if self.rel_tol_samples else torch.zeros(0, dtype=torch.float64)
         return {"u": self.u, "elements": self.count, "margin": self.max_ratio,
@@ -534,17 +547,24 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
 
 # [Note: The judge by pieces]
 # Every check of a parameter is elementwise, with per-tensor reductions (the largest ratio and its
-# first element, the counts of the bias check), so a model is judged one piece at a time: a run
-# of consecutive tensors of at most PIECE_ELEMENTS (2^20) elements (a bigger tensor is a piece of its own),
-# the replay's bounds of those tensors computed from the replay's part for them (`piece_of`; the
-# optimizer-state bounds are carried per tensor), and each piece's per-tensor outcomes folded into
-# the statistics, the step's worst elements and the violations in tensor order after the last
-# piece, as one piece's are. The float64 temporaries of a step then grow with the largest piece,
-# not the model (a GPT-2 of 16.8M parameters: a dozen model-sized float64 arrays, 1.6 GB, at once).
-# Nothing is summed across tensors except the sign counts (integers) and the clipping norm, which a
-# case that clips needs over the whole model: such a case is judged in one piece. A model of at
-# most PIECE_ELEMENTS is one piece, the same computation as before pieces; more pieces give the
-# same verdict, margins and first divergence (tests/test_judge_pieces.py).
+# first element, the failing element and count, the sign counts of the bias check), so a model is
+# judged one piece at a time: a run of consecutive tensors of at most PIECE_ELEMENTS (2^20)
+# elements, or one slice of PIECE_ELEMENTS of a bigger tensor (`CellJudge.param_pieces`; a slice
+# has a key of its own, "name[start:end]", under which the replay's record holds its 1-D views,
+# `piece_of`, and its optimizer-state bounds are carried). Each piece's tolerances come from the
+# replay's part for it; its per-tensor outcomes are folded into the statistics, the step's worst
+# elements and the violations in tensor order after the last piece, as one piece's are. A sliced
+# tensor's outcome is merged from its slices' after its last (`merge_outcomes`: the first of the
+# largest ratios, a NaN the largest, as the whole tensor's argmax), its sign counts from every
+# slice's kept elements in order (`sign_counts_of_kept`: the same stable sort of the same
+# elements), its tolerance samples as the whole tensor's (`CheckStats.add_slice_samples`). The
+# float64 temporaries of a step then grow with PIECE_ELEMENTS, not with the model or its largest
+# tensor (a GPT-2 of 16.8M parameters judged whole: a dozen model-sized float64 arrays, 1.6 GB, at
+# once); what stays is the sign test's kept elements of one tensor (the differing ones). Nothing is
+# summed across tensors except integer counts and the clipping norm, which a case that clips needs
+# over the whole model: such a case is judged in one piece. A model of at most PIECE_ELEMENTS is
+# one piece, the computation as before pieces; more pieces give the same verdict, margins,
+# statistics and first divergence (tests/test_judge_pieces.py).
 PIECE_ELEMENTS = 1 << 20
 # The replay's records that hold one entry per parameter name.
 PER_NAME_KEYS = ("grads", "abs_grads", "num_terms", "reorder", "params", "hyper", "state")
@@ -569,13 +589,37 @@ def pieces_of(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
     return out
 
 
-def piece_of(shadow: dict, names: list[str]) -> dict:
-    """The replay's record restricted to `names`, in their order ([Note: The judge by pieces])."""
+def piece_of(shadow: dict, keys: list[str], slices: dict[str, tuple[str, int, int, int]] | None = None) -> dict:
+    """The replay's record restricted to `keys`, in their order ([Note: The judge by pieces]): a
+    parameter's name, or a slice's key (`slices`: key -> (name, start, end, the parameter's numel)),
+    under which its elementwise tensors are the slice's 1-D view."""
+    slices = slices or {}
     part = dict(shadow)
     for key in PER_NAME_KEYS:
-        if isinstance(shadow.get(key), dict):
-            part[key] = {n: shadow[key][n] for n in names if n in shadow[key]}
+        d = shadow.get(key)
+        if not isinstance(d, dict):
+            continue
+        out = {}
+        for k in keys:
+            s = slices.get(k)
+            if s is None:
+                if k in d:
+                    out[k] = d[k]
+            elif s[0] in d:
+                out[k] = _sliced(d[s[0]], s)
+        part[key] = out
     return part
+
+
+def _sliced(value, s: tuple[str, int, int, int]):
+    """`value`'s part for the slice `s`: an elementwise tensor's 1-D view, a dict's values sliced,
+    anything else (a step count, a hyperparameter, a per-tensor allowance) as it is."""
+    _, start, end, numel = s
+    if isinstance(value, dict):
+        return {k: _sliced(v, s) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel:
+        return value.reshape(-1)[start:end]
+    return value
 
 
 class CellJudge:
@@ -615,6 +659,7 @@ class CellJudge:
         self._buffers_before: dict[str, torch.Tensor] = {}
         self._differed: dict[str, torch.Tensor] = {}  # per parameter, the elements that differed from a replayed step
         self._run_counts = SignCounts(0, 0, 0, 0)  # the run-level update counts, each element at its first difference
+        self.slices: dict[str, tuple[str, int, int, int]] = {}  # [Note: The judge by pieces]
         self._last_step = 0
 
     @property
@@ -661,17 +706,17 @@ class CellJudge:
             worst.update(margin=tilt.ratio, diff=tilt.abs_diff, tol=tilt.tol, name=name)
         return tilt if tilt and not tilt.ratio <= 1 else None
 
-    def update_counts(self, names, seg, params_flat, replayed, before) -> tuple[list[SignCounts], list[SignCounts]]:
-        """The update bias's counts of these parameters ([Note: Update bias]): per parameter, and
-        per parameter over the elements differing for the first time in the run (which it marks)."""
+    def update_diffs(self, keys, seg, params_flat, replayed, before) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the update bias counts ([Note: Update bias]) of these parameters (or slices) reads:
+        the differences from the replayed step, the replay's updates, and the differences of the
+        elements differing for the first time in the run (0 elsewhere), which it marks."""
         diff, update = params_flat - replayed, replayed - before
-        counts = sign_counts(seg, diff, update, before)
         differed = self._differed
-        seen = seg.flat([differed.get(n, torch.zeros(size)) for n, size in zip(names, seg.sizes)]) != 0
-        first = sign_counts(seg, torch.where(seen, 0.0, diff), update, before)
-        for name, part, size in zip(names, seg.split(seen | (diff != 0)), seg.sizes):
-            differed[name] = part.view(size)
-        return counts, first
+        seen = seg.flat([differed.get(k, torch.zeros(size)) for k, size in zip(keys, seg.sizes)]) != 0
+        first = torch.where(seen, 0.0, diff)
+        for key, part, size in zip(keys, seg.split(seen | (diff != 0)), seg.sizes):
+            differed[key] = part.view(size)
+        return diff, update, first
 
     def update_bias(self, step, names, counts: list[SignCounts], first: list[SignCounts]) -> None:
         """The bias check of the step's update ([Note: Update bias]), per parameter and over the
@@ -689,6 +734,27 @@ class CellJudge:
         """Whether every element of `tensors` is finite, one piece at a time."""
         return all(bool(torch.isfinite(self.segments(part).flat(list(part.values()))).all())
                    for part in ({n: tensors[n] for n in piece} for piece in self.pieces(tensors)))
+
+    def param_pieces(self, tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+        """`pieces`, a parameter bigger than PIECE_ELEMENTS cut into slices, each a piece of its own
+        under a key of `self.slices` ([Note: The judge by pieces])."""
+        out = []
+        for piece in self.pieces(tensors):
+            numel = tensors[piece[0]].numel()
+            if len(piece) > 1 or numel <= PIECE_ELEMENTS or self.case.features.clip_norm_type is not None:
+                out.append(piece)
+                continue
+            for start in range(0, numel, PIECE_ELEMENTS):
+                end = min(numel, start + PIECE_ELEMENTS)
+                key = f"{piece[0]}[{start}:{end}]"
+                self.slices[key] = (piece[0], start, end, numel)
+                out.append([key])
+        return out
+
+    def view(self, tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+        """The tensor of `key` in `tensors`: a parameter's, or a slice's 1-D view of it."""
+        s = self.slices.get(key)
+        return tensors[key] if s is None else tensors[s[0]].reshape(-1)[s[1]:s[2]]
 
     def pieces(self, tensors: dict[str, torch.Tensor]) -> list[list[str]]:
         """`tensors`' names in the pieces they are judged in ([Note: The judge by pieces]): one
@@ -893,13 +959,17 @@ class CellJudge:
             if judged_grads[name].shape != shadow["grads"][name].shape:
                 raise ValueError(f"grad '{name}' step={step}: shape {tuple(judged_grads[name].shape)} != expected "
                                  f"{tuple(shadow['grads'][name].shape)}")
-        pieces = self.pieces(judged_grads)
+        pieces = self.param_pieces(judged_grads)
+        view = self.view
 
         def flats(piece: list[str]) -> tuple[Segments, dict, torch.Tensor, torch.Tensor]:
             """The piece's segments, its part of the replay, the cell's and the replay's gradients."""
-            seg = self.segments({n: judged_grads[n] for n in piece})
-            return (seg, piece_of(shadow, piece), seg.flat([judged_grads[n] for n in piece]),
-                    seg.flat([shadow["grads"][n] for n in piece]))
+            seg = self.segments({k: view(judged_grads, k) for k in piece})
+            return (seg, piece_of(shadow, piece, self.slices), seg.flat([view(judged_grads, k) for k in piece]),
+                    seg.flat([view(shadow["grads"], k) for k in piece]))
+
+        def real(piece: list[str]) -> list[str]:
+            return [self.slices[k][0] if k in self.slices else k for k in piece]
 
         later = shadow.get("reorder_later")
         if later is not None and not shadow.get("reorder") and (
@@ -911,35 +981,67 @@ class CellJudge:
             for piece in pieces:
                 seg, part, actual, exact = flats(piece)
                 _, reduction_tol, allowance = step_bounds.grad_bounds(part)
-                candidates.append(_reordering_candidate(piece, seg, actual, exact, reduction_tol,
+                candidates.append(_reordering_candidate(real(piece), seg, actual, exact, reduction_tol,
                                                         reduction_tol + allowance))
                 del seg, part, actual, exact, reduction_tol, allowance
             step_bounds.reordered_from = _local_reordering(step, candidates)
         clip_norms = rec.get("clip_norm")
         reordered = step_bounds.reordered_from is not None
         outcomes: dict[str, list] = {"grad": [], "bias": [], "param": [], "update": [], "first": []}
+        sliced: dict[str, list] = {}  # a sliced parameter's parts so far, per check
         for piece in pieces:
             seg, part, grads_flat, shadow_grads = flats(piece)
             _, grad_tol, param_tol = step_bounds.step_flat(step, part, reordered, clip_norms)
-            outcomes["grad"] += judge_segments(seg, grads_flat, shadow_grads, grad_tol)
-            stats["grad"].add_samples(seg, grad_tol, shadow_grads)
-            if not reordered:
-                outcomes["bias"] += sign_counts(seg, grads_flat - shadow_grads, shadow_grads)
-            del grads_flat, shadow_grads, grad_tol
-            params_flat = seg.flat([rec["params"][n] for n in piece])
-            shadow_flat = seg.flat([shadow["params"][n] for n in piece])
-            for n in piece:
-                if rec["params"][n].shape != shadow["params"][n].shape:
-                    raise ValueError(f"param '{n}' step={step}: shape {tuple(rec['params'][n].shape)} != expected "
-                                     f"{tuple(shadow['params'][n].shape)}")
-            outcomes["param"] += judge_segments(seg, params_flat, shadow_flat, param_tol)
-            stats["param"].add_samples(seg, param_tol, shadow_flat)
-            if not step_bounds.clip_may_have_acted and not reordered:  # [Note: Update bias]
-                counts, first = self.update_counts(piece, seg, params_flat, shadow_flat,
-                                                   seg.flat([self._params_before[n] for n in piece]))
-                outcomes["update"] += counts
-                outcomes["first"] += first
-            del seg, part, params_flat, shadow_flat, param_tol
+            for k in piece:
+                if view(rec["params"], k).shape != view(shadow["params"], k).shape:
+                    name = real([k])[0]
+                    raise ValueError(f"param '{name}' step={step}: shape {tuple(rec['params'][name].shape)} != "
+                                     f"expected {tuple(shadow['params'][name].shape)}")
+            params_flat = seg.flat([view(rec["params"], k) for k in piece])
+            shadow_flat = seg.flat([view(shadow["params"], k) for k in piece])
+            count_updates = not step_bounds.clip_may_have_acted and not reordered  # [Note: Update bias]
+            if count_updates:
+                before = seg.flat([view(self._params_before, k) for k in piece])
+                diff, update, first = self.update_diffs(piece, seg, params_flat, shadow_flat, before)
+            s = self.slices.get(piece[0])
+            if s is None:  # whole tensors
+                outcomes["grad"] += judge_segments(seg, grads_flat, shadow_grads, grad_tol)
+                stats["grad"].add_samples(seg, grad_tol, shadow_grads)
+                if not reordered:
+                    outcomes["bias"] += sign_counts(seg, grads_flat - shadow_grads, shadow_grads)
+                outcomes["param"] += judge_segments(seg, params_flat, shadow_flat, param_tol)
+                stats["param"].add_samples(seg, param_tol, shadow_flat)
+                if count_updates:
+                    outcomes["update"] += sign_counts(seg, diff, update, before)
+                    outcomes["first"] += sign_counts(seg, first, update, before)
+            else:  # one slice of a parameter: its parts until the last slice
+                name, start, end, numel = s
+                if start == 0:
+                    sliced = {"grad": [], "param": [], "bias": [], "update": [], "first": [],
+                              "seen": {"grad": 0, "param": 0},
+                              "nonzero": {"grad": int(shadow["grads"][name].count_nonzero()),
+                                          "param": int(shadow["params"][name].count_nonzero())}}
+                sliced["grad"].append((start, judge_segments(seg, grads_flat, shadow_grads, grad_tol)[0]))
+                sliced["seen"]["grad"] = stats["grad"].add_slice_samples(grad_tol, shadow_grads, sliced["seen"]["grad"],
+                                                                         sliced["nonzero"]["grad"])
+                if not reordered:
+                    sliced["bias"].append(kept_for_signs(grads_flat - shadow_grads, shadow_grads))
+                sliced["param"].append((start, judge_segments(seg, params_flat, shadow_flat, param_tol)[0]))
+                sliced["seen"]["param"] = stats["param"].add_slice_samples(
+                    param_tol, shadow_flat, sliced["seen"]["param"], sliced["nonzero"]["param"])
+                if count_updates:
+                    sliced["update"].append(kept_for_signs(diff, update, before))
+                    sliced["first"].append(kept_for_signs(first, update, before))
+                if end == numel:  # the parameter's last slice: its outcomes, as one piece's
+                    outcomes["grad"].append(merge_outcomes(sliced["grad"]))
+                    outcomes["param"].append(merge_outcomes(sliced["param"]))
+                    for check in ("bias", "update", "first"):
+                        if sliced[check]:
+                            outcomes[check].append(sign_counts_of_kept(sliced[check]))
+                    sliced = {}
+            if count_updates:
+                del diff, update, first, before
+            del seg, part, grads_flat, shadow_grads, grad_tol, params_flat, shadow_flat, param_tol
         if clip_norms is not None and step_bounds.clip_norm is not None:
             viol.extend(self.clip_check(step, clip_norms, *step_bounds.clip_norm))
             if rec.get("clipped_grads") is not None and bool(torch.isfinite(clip_norms).all()):

@@ -19,7 +19,7 @@ reference on planted values (NaN, inf, -0.0, empty and frozen tensors).
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from functools import cached_property
 
 import torch
@@ -158,6 +158,31 @@ class TensorOutcome:
     failing: Failing | None
 
 
+def _above(a: float, b: float) -> bool:
+    """Whether `a` is a larger ratio than `b`, a NaN the largest (as `Segments.argmax` counts it)."""
+    return (math.isnan(a) and not math.isnan(b)) or a > b
+
+
+def merge_outcomes(parts: list[tuple[int, TensorOutcome]]) -> TensorOutcome:
+    """One tensor's outcome from its slices' (each with the flat offset of its first element), in
+    order: `judge_segments` of the whole tensor (the first of the largest ratios, NaN counted the
+    largest; the worst failing element likewise, its index into the tensor; the failing count)."""
+    best = failing = None
+    offset = num_bad = 0
+    for start, o in parts:
+        if o.numel and (best is None or _above(o.max_ratio, best.max_ratio)):
+            best = o
+        if o.failing is not None:
+            num_bad += o.failing.num_violating
+            if failing is None or _above(o.failing.ratio, failing.ratio):
+                failing, offset = o.failing, start
+    if best is None:
+        return TensorOutcome(0, 0.0, 0.0, 0.0, None)
+    return TensorOutcome(sum(o.numel for _, o in parts), best.max_ratio, best.worst_diff, best.worst_tol,
+                         None if failing is None else replace(failing, index=failing.index + offset,
+                                                              num_violating=num_bad))
+
+
 def judge_segments(seg: Segments, actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor
                    ) -> list[TensorOutcome]:
     """Per segment: |actual - expected| within tol, NaN-aware (an element fails unless
@@ -233,6 +258,22 @@ def sign_counts(seg: Segments, diff: torch.Tensor, expected: torch.Tensor,
                           torch.bincount(ids[nonzero & (up == (values > 0))], minlength=n),
                           torch.bincount(ids[nonzero], minlength=n)]).tolist()
     return [SignCounts(*(c[s] for c in counts)) for s in range(n)]
+
+
+def kept_for_signs(diff: torch.Tensor, expected: torch.Tensor, inputs: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The elements of one slice of a tensor the sign test reads (a finite, non-zero difference),
+    in order: `sign_counts_of_kept` over every slice's, in order, is `sign_counts` of the tensor."""
+    keep = (diff != 0) & diff.isfinite()
+    return diff[keep], expected[keep], None if inputs is None else inputs[keep]
+
+
+def sign_counts_of_kept(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> SignCounts:
+    """One tensor's counts from its slices' `kept_for_signs`, in order: the same elements in the
+    same positions' order, so the same stable sort and the same first element of each run."""
+    diffs, expected, inputs = zip(*parts)
+    return _sign_counts_of_one(torch.cat(diffs), torch.cat(expected),
+                               None if inputs[0] is None else torch.cat(inputs))
 
 
 def _sign_counts_of_one(diff: torch.Tensor, expected: torch.Tensor, inputs: torch.Tensor | None) -> SignCounts:

@@ -141,7 +141,7 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
         at += 2 * num
     # The losses, clip norms, digests and padding intervals to every rank; the raw shards, the
     # model's size, to the team's rank 0 alone, which records them (the others would only hold
-    # them), in their own dtypes (one gather per dtype), read back as views of the gathered rows.
+    # them), in their own dtypes (one gather per dtype), each shard's rows copied out of them.
     # fp32, bf16 and fp16 values are exact in fp64.
     small: list[torch.Tensor] = []
     big: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -183,8 +183,8 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
             for into, t in ((shards, raw.data), (shard_grads, raw.grad if has_grad else None)):
                 if t is None:
                     continue
-                if big_rows is not None:
-                    into[raw.key] = big_rows[t.dtype][:, big_at[t.dtype] : big_at[t.dtype] + n]
+                if big_rows is not None:  # (W, n), contiguous: the judge reads a row's bytes
+                    into[raw.key] = big_rows[t.dtype][:, big_at[t.dtype] : big_at[t.dtype] + n].contiguous()
                 big_at[t.dtype] += n
         out.append(StepEvidence(losses, digests, clip_norms, shards, shard_grads, padding_intervals, collectives))
     if at != rows.shape[1] or (big_rows is not None and any(big_at[d] != r.shape[1] for d, r in big_rows.items())):
