@@ -137,11 +137,32 @@ def trajectory_row(rec: dict, order: dict, split: bool) -> torch.Tensor:
     """One step's loss (rank 0's, or the mean of the local losses when split), gradients and
     parameters as one 1-D tensor, parameters in the order of `order`: the W x W diff matrices
     compare cells by these rows."""
+    return torch.cat(trajectory_row_parts(rec, order, split))
+
+
+def trajectory_row_parts(rec: dict, order: dict, split: bool) -> list[torch.Tensor]:
+    """`trajectory_row`'s parts in order (the loss, each gradient, each parameter), each 1-D in the
+    row's dtype: the row is their concatenation, taken a tensor at a time where the model is big."""
     loss = rec["loss"].double().mean() if split else rec["loss"].double()[0]
     # A parameter without a gradient (frozen, or none this step) counts as zeros in every cell,
     # whichever way its cell reported it ([Note: Parameters without a gradient]).
-    grads = {k: rec["grads"][k] if k in rec["grads"] else torch.zeros_like(rec["params"][k]) for k in order}
-    return torch.cat([loss.float().reshape(1), flat(grads), flat(rec["params"], order)])
+    grads = [rec["grads"][k] if k in rec["grads"] else torch.zeros_like(rec["params"][k]) for k in order]
+    parts = [loss.float().reshape(1)] + [g.reshape(-1) for g in grads] + [rec["params"][k].reshape(-1) for k in order]
+    dtype = reduce(torch.promote_types, (p.dtype for p in parts))
+    return [p.to(dtype) for p in parts]
+
+
+def compare_parts(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> DiffStats:
+    """`compare` of the two concatenations, a pair of tensors at a time (each in its
+    concatenation's dtype): the same maxima and counts."""
+    if not actual:
+        return compare(torch.zeros(0), torch.zeros(0))
+    a_dtype = reduce(torch.promote_types, (t.dtype for t in actual))
+    e_dtype = reduce(torch.promote_types, (t.dtype for t in expected))
+    if len(actual) != len(expected):
+        raise ValueError(f"{len(actual)} tensors compared with {len(expected)}")
+    return DiffStats.merge([compare(a.reshape(-1).to(a_dtype), e.reshape(-1).to(e_dtype))
+                            for a, e in zip(actual, expected)])
 
 
 def _failing_violation(optimizer, step, check, name, size: torch.Size, layout, f: Failing) -> Violation:
@@ -1327,8 +1348,14 @@ def compare_with_reference(rec: dict, ref_rec: dict, u_param: float, split: bool
     ref_loss = ref_rec["loss"].double().mean()
     row_max = None
     if order is not None:  # the matrices' distance, for a cell judged on its ranks (harness/run/judged.py)
-        row_max = (trajectory_row(rec, order, split).double()
-                   - trajectory_row(ref_rec, order, False).double()).abs().max()
+        cell_row, ref_row = trajectory_row_parts(rec, order, split), trajectory_row_parts(ref_rec, order, False)
+        if [p.numel() for p in cell_row] != [p.numel() for p in ref_row]:
+            raise ValueError(f"step {step}: the cell's trajectory row has {sum(p.numel() for p in cell_row)} values, "
+                             f"the reference's {sum(p.numel() for p in ref_row)}")
+        # a tensor at a time ([Note: The judge by pieces]); a NaN propagates, as one max over the row
+        row_max = torch.stack([(a.double() - b.double()).abs().max() for a, b in zip(cell_row, ref_row)
+                               if a.numel()]).max()
+        del cell_row, ref_row
     try:
         if ref_rec["step"] != step:
             raise ValueError(f"reference step {ref_rec['step']} where the cell has step {step}")
@@ -1340,8 +1367,8 @@ def compare_with_reference(rec: dict, ref_rec: dict, u_param: float, split: bool
     both = {n: g for n, g in rec["grads"].items() if n in ref_rec["grads"]}  # gradients both have
     per_step = {
         "loss": compare(actual_losses.float(), ref_loss.float().expand_as(actual_losses)),
-        "grad": compare(flat(both), flat(ref_rec["grads"], both)),
-        "param": compare(flat(rec["params"]), flat(ref_rec["params"], rec["params"])),
+        "grad": compare_parts(list(both.values()), [ref_rec["grads"][n] for n in both]),
+        "param": compare_parts(list(rec["params"].values()), [ref_rec["params"][n] for n in rec["params"]]),
     }
     return ReferenceComparison(step, ref_loss.item(), row_max, deviation, per_step)
 

@@ -44,7 +44,7 @@ import torch
 
 from cases.case import Case, OptimizerSpec
 from harness.judge.diff import (CellJudge, ReferenceComparison, ReferenceDiverged, compare_with_reference,
-                                result_to_record, trajectory_envelope, trajectory_row)
+                                result_to_record, trajectory_envelope, trajectory_row_parts)
 from harness.judge.contracts import broken_at
 from harness.judge.layouts import LayoutError, check_step_layouts, parameter_names
 from harness.run.evidence import EvidenceError, check_init_evidence, check_step_evidence
@@ -186,10 +186,9 @@ class RankJudge:
                 self.envelopes.append(trajectory_envelope(rec["params"], runs) if runs else {})
             self._before = rec["params"]
             self.steps.append(step)
-            row = trajectory_row(rec, order, split)
-            self._digest.update(row.cpu().numpy().tobytes())
-            self.finite = self.finite and bool(torch.isfinite(row).all())
-            del row
+            for part in trajectory_row_parts(rec, order, split):  # the row's bytes, a tensor at a time
+                self._digest.update(part.cpu().numpy().tobytes())
+                self.finite = self.finite and bool(torch.isfinite(part).all())
             if ref is not None:  # NaN propagates, as in the parent's matrices
                 self.vs_reference = torch.maximum(self.vs_reference, ref.row_max.to(self.vs_reference.device))
             # Once the cell went non-finite the judge stops (the first divergence is named); the
