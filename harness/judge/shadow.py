@@ -250,7 +250,8 @@ class Shadow:
         self.record_device = record_device
         self._reorder_seed = 0  # the step's seed of the reordered replays (reproducible verdicts)
 
-    def _terms(self, batch: Batch, data_mode: str, world_size: int, num_micro: int, reorder: bool = True):
+    def _terms(self, batch: Batch, data_mode: str, world_size: int, num_micro: int, reorder: bool = True,
+               absolute: bool = True):
         """Every rank's local loss, the float64 sum and absolute sum of the local gradient terms (one
         per rank and micro-batch), and the largest deviation of the reordered replays from that sum
         ([Note: Reordered accumulation]; empty when `reorder` is off); sums divided by W under split."""
@@ -295,7 +296,7 @@ class Shadow:
                     for leaf in leaves:
                         leaf.grad = None
                 losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
-                                               after_micro=harvest_into(grad_sum, abs_sum)))
+                                               after_micro=harvest_into(grad_sum, abs_sum if absolute else None)))
                 if rank == 0 and before:
                     after_rank0 = {n: b.detach().clone() for n, b in self.buffers.items()}
                 if draws:
@@ -307,14 +308,17 @@ class Shadow:
             self._set_buffers(after_rank0)
         deviation = {}
         for name, exact in grad_sum.items():
-            devs = [(d[name] - exact).abs() for d in draws if name in d]
-            if devs:
-                deviation[name] = torch.stack(devs).amax(0)
+            for d in draws:  # the largest over the draws, one draw at a time (NaN kept, as amax keeps it)
+                if name in d:
+                    dev = (d.pop(name) - exact).abs()
+                    deviation[name] = dev if name not in deviation else torch.maximum(deviation[name], dev)
         if data_mode == "identical":
             # Every rank computed this same local term: their mean is it, sum |term| / W is |it|.
             return torch.stack(losses * world_size), grad_sum, abs_sum, deviation
-        return (torch.stack(losses), {n: s / world_size for n, s in grad_sum.items()},
-                {n: s / world_size for n, s in abs_sum.items()}, {n: d / world_size for n, d in deviation.items()})
+        for sums in (grad_sum, abs_sum, deviation):  # in place: this function's own float64 sums
+            for t in sums.values():
+                t.div_(world_size)
+        return torch.stack(losses), grad_sum, abs_sum, deviation
 
     def _reordered(self, inputs, targets, num_micro: int, draws: list[dict], harvest_into, rank: int) -> None:
         """Add to each of `draws` this rank's local gradient terms under perturbed accumulation
@@ -508,7 +512,7 @@ class Shadow:
     def _amplitude(self, grads: dict[str, torch.Tensor], batch: Batch,
                    reordered: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         num_samples = batch_size(batch)
-        local_shape = {n: torch.zeros_like(g) for n, g in grads.items()}
+        local_shape: dict[str, torch.Tensor] = {}  # made per gradient where a split is measured
         if "split" in self.case.data_modes:
             _, per_sample_mean, per_sample_abs, _ = self._terms(batch, "split", num_samples, 1, reorder=False)
             # The local computation on each batch size a cell of this case runs (B / W samples per
@@ -516,10 +520,12 @@ class Shadow:
             # covers each, so a cell's step-1 deviation is never larger than the noise's amplitude.
             for w in sorted(set(self.case.world_sizes) - {1}):
                 if num_samples % (w * self.num_micro) == 0 and w * self.num_micro < num_samples:
-                    _, split_mean, _, _ = self._terms(batch, "split", w, self.num_micro, reorder=False)
+                    _, split_mean, _, _ = self._terms(batch, "split", w, self.num_micro, reorder=False, absolute=False)
                     for n, g in grads.items():
                         if n in split_mean:
-                            local_shape[n] = torch.maximum(local_shape[n], (g - split_mean[n]).abs())
+                            split = (g - split_mean.pop(n)).abs()  # >= 0: the max with no earlier one is itself
+                            local_shape[n] = split if n not in local_shape else torch.maximum(local_shape[n], split)
+                    del split_mean
         else:
             # Identical data only (a model coupling its samples, as BatchNorm does, where a sample
             # alone is no term of the batch's gradient): every rank computes the whole batch, so
@@ -538,6 +544,9 @@ class Shadow:
             # batched backward sums in another order than a per-sample one; where those rows cancel
             # (an attention key bias, whose exact gradient is zero) this difference dwarfs the
             # reduction bound of the per-sample terms.
-            shape = torch.maximum(local_shape[name], (g - per_sample_mean[name]).abs())
+            shape = (g - per_sample_mean[name]).abs()
+            if name in local_shape:
+                shape = torch.maximum(local_shape.pop(name), shape)
             amplitudes[name] = (model.grad_bound(per_sample_abs[name]) + shape + reordered.get(name, 0)).cpu()
+            del shape
         return amplitudes
