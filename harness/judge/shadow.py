@@ -452,7 +452,8 @@ class Shadow:
         return hyper
 
     def perturbed_step(self, params_before: dict[str, torch.Tensor], batch: Batch,
-                       noise: dict[str, torch.Tensor], subtract: bool = False) -> dict[str, torch.Tensor]:
+                       noise: dict[str, torch.Tensor], subtract: bool = False,
+                       borrow: bool = False) -> dict[str, torch.Tensor]:
         """One step of a perturbed reference run (harness/run/worker.py PerturbedRuns): the whole
         batch's exact gradient at `params_before` plus `noise` (float64 per gradient: a sign times
         `noise_amplitude`; minus it with `subtract`, the antithetic run), clipped as the case clips
@@ -465,7 +466,7 @@ class Shadow:
             if name in noise:
                 grads[name] = g - noise[name].to(g.device) if subtract else g + noise[name].to(g.device)
         self._optimizer_step(grads, None)
-        return {n: p.detach().to(self.record_device).clone() for n, p in self.params.items()}
+        return {n: self._recorded(p, borrow) for n, p in self.params.items()}
 
     def reorder_allowance(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
                           buffers_before: dict[str, torch.Tensor] | None, seed: int) -> dict[str, torch.Tensor]:

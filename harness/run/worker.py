@@ -366,7 +366,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         reference = perturbed = None
         if cell.is_reference:
             seeds = perturbed_seeds(0, team_size)  # none here: the team's other ranks step them all
-            runs = PerturbedRuns(case, spec, init_state, seeds, ctx.device, init_buffers, ctx.device) if seeds else None
+            runs = (PerturbedRuns(case, spec, init_state, seeds, ctx.device, init_buffers, ctx.device, borrow=True)
+                    if seeds else None)
             def perturbed(step, before, runs=runs):
                 return runs.step(step, before) if runs is not None else []
         elif reference_rank:
@@ -502,7 +503,7 @@ def perturbed_envelopes(cell: Cell, spec: OptimizerSpec, init_state: dict[str, t
     cell's rank 0 computes it for its own seeds; the max of the two is the envelope of all."""
     case = get_case(cell.case)
     reference = LockStepReference(cell, spec, init_state, init_buffers, device)
-    runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers, device)
+    runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers, device, borrow=True)
     envelopes, before = [], init_state
     for step in range(1, cell.steps + 1):
         params = record_on(reference.step(step)["params"], device)
@@ -538,8 +539,10 @@ class PerturbedRuns:
 
     def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], seeds: list[int],
                  device: torch.device, init_buffers: dict[str, torch.Tensor] | None = None,
-                 record_device: torch.device = torch.device("cpu")) -> None:
-        self.case, self.seeds = case, list(seeds)
+                 record_device: torch.device = torch.device("cpu"), borrow: bool = False) -> None:
+        # `borrow`: each step's parameters are the runs' own tensors, valid until the next step (an
+        # envelope taken at once, as on the ranks), not copies kept for a snapshot.
+        self.case, self.seeds, self.borrow = case, list(seeds), borrow
         self.measure = Shadow(case, spec, init_state, device, init_buffers=init_buffers)
         self.shadows = [Shadow(case, spec, init_state, device, init_buffers=init_buffers, record_device=record_device)
                         for _ in self.seeds]
@@ -564,7 +567,8 @@ class PerturbedRuns:
                         for n, a in amplitude.items()}
                  for pair, g in sorted(self.generators.items())}
         del amplitude
-        self.params = [shadow.perturbed_step(params, batch, noise[(seed + 1) // 2], subtract=seed % 2 == 0)
+        self.params = [shadow.perturbed_step(params, batch, noise[(seed + 1) // 2], subtract=seed % 2 == 0,
+                                             borrow=self.borrow)
                        for seed, shadow, params in zip(self.seeds, self.shadows, self.params)]
         self.steps = step
         return self.params
