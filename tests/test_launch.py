@@ -130,3 +130,21 @@ def test_bench_reports_a_failed_launch_with_the_ranks_traceback(tmp_path, monkey
     text = str(failed.value)
     assert text.startswith("bench launch launch_probe crash: launch W=2 exited"), text
     assert "[rank 1] RuntimeError: planted crash on rank 1" in text, text
+
+
+def test_a_rank_killed_from_outside_is_named_with_its_likely_sender(tmp_path):
+    """A rank the kernel's out-of-memory killer ended (torchrun: exitcode -9, SIGKILL) is named as
+    ended from outside the run, with where to look, not left as a bare exit status."""
+    from harness.run.outcome import LaunchResult
+
+    root = ("Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-27_17:17:26\n"
+            "  rank      : 1 (local_rank: 1)\n  exitcode  : {code} (pid: 21676)\n")
+
+    def text(code: str) -> str:
+        return LaunchResult(2, ("c",), 1, False, 1.0, (), root.format(code=code), tmp_path, 0).failure_text()
+
+    killed = text("-9 (SIGKILL)")
+    assert "first failure: rank 1; rank 1 was ended by SIGKILL from outside the run" in killed
+    assert "out-of-memory killer" in killed and "dmesg" in killed
+    assert "from outside the run" in text("-15 (SIGTERM)") and "out-of-memory" not in text("-15 (SIGTERM)")
+    assert "from outside the run" not in text("1")  # a rank that raised: its traceback says why

@@ -48,6 +48,12 @@ class LaunchResult:
         root = self.first_failed_rank()
         if root is not None:
             head += f"; first failure: rank {root}"
+        cause = self.root_cause_signal()
+        if cause is not None and cause[1] in EXTERNAL_SIGNALS:
+            head += f"; rank {cause[0]} was ended by {cause[1]} from outside the run"
+            if cause[1] == "SIGKILL":  # the usual sender on a machine too small for the model
+                head += (" (the kernel's out-of-memory killer sends SIGKILL when the machine runs out of "
+                         "memory: `dmesg` names the process it killed)")
         return head + "\n" + failure_blocks(self.rank_logs, self.launcher_output, stacks=self.timed_out, first=root)
 
     def first_failed_rank(self) -> int | None:
