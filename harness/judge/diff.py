@@ -741,7 +741,7 @@ class CellJudge:
 
     def update_bias(self, step, names, counts: list[SignCounts], first: list[SignCounts]) -> None:
         """The bias check of the step's update ([Note: Update bias]), per parameter and over the
-        run; the run's counts get this step's first differences (`update_counts`)."""
+        run; the run's counts get this step's first differences (`update_diffs`' third part)."""
         for name, c in zip(names, counts):
             tilt = self.tilt_of(step, name, c, UPDATE_STATISTICS)
             if tilt:
@@ -762,7 +762,7 @@ class CellJudge:
         out = []
         for piece in self.pieces(tensors):
             numel = tensors[piece[0]].numel()
-            if len(piece) > 1 or numel <= PIECE_ELEMENTS or self.case.features.clip_norm_type is not None:
+            if len(piece) > 1 or numel <= PIECE_ELEMENTS or self.case.features.clip_norm_type is not None:  # `pieces`' one
                 out.append(piece)
                 continue
             for start in range(0, numel, PIECE_ELEMENTS):
@@ -983,11 +983,18 @@ class CellJudge:
         pieces = self.param_pieces(judged_grads)
         view = self.view
 
+        kept: dict[int, tuple] = {}  # one piece (a model of at most PIECE_ELEMENTS): made once per step
+
         def flats(piece: list[str]) -> tuple[Segments, dict, torch.Tensor, torch.Tensor]:
             """The piece's segments, its part of the replay, the cell's and the replay's gradients."""
+            if id(piece) in kept:
+                return kept[id(piece)]
             seg = self.segments({k: view(judged_grads, k) for k in piece})
-            return (seg, piece_of(shadow, piece, self.slices), seg.flat([view(judged_grads, k) for k in piece]),
-                    seg.flat([view(shadow["grads"], k) for k in piece]))
+            out = (seg, piece_of(shadow, piece, self.slices), seg.flat([view(judged_grads, k) for k in piece]),
+                   seg.flat([view(shadow["grads"], k) for k in piece]))
+            if len(pieces) == 1:
+                kept[id(piece)] = out
+            return out
 
         def real(piece: list[str]) -> list[str]:
             return [self.slices[k][0] if k in self.slices else k for k in piece]
@@ -997,6 +1004,7 @@ class CellJudge:
                 step_bounds.reordered_from is not None
                 or any(_leaves_reduction_bound(step_bounds, *flats(piece)[1:]) for piece in pieces)):
             shadow["reorder"] = later()  # needed: computed now (harness/judge/shadow.py Shadow.step)
+            kept.clear()  # a piece's part of the replay holds the allowance now
         if step_bounds.reordered_from is None and shadow.get("reorder"):
             candidates = []
             for piece in pieces:
@@ -1278,12 +1286,6 @@ def _local_reordering(step: int, candidates: list[tuple[float, str] | bool]) -> 
         if c is not True and (best is None or c[0] > best[0]):
             best = c
     return None if best is None else {"step": step, "name": best[1], "ratio": best[0]}
-
-
-def _reordered(seg: Segments, names: list[str], flat_tensor: torch.Tensor, order: list[str]) -> torch.Tensor:
-    """A flat tensor of one segment per name, its segments rearranged into `order`."""
-    by_name = dict(zip(names, seg.split(flat_tensor)))
-    return torch.cat([by_name[n].reshape(-1) for n in order] + [flat_tensor[:0]])
 
 
 @dataclass(frozen=True)
