@@ -27,7 +27,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from scratch_repo import REPO, copy_project
+from scratch_repo import copy_project
 
 # Fast-tier files that judge evidence (the whole fast tier with --fast-tier).
 JUDGE_FAST = ("tests/test_tolerance_bounds.py", "tests/test_judge_checks.py", "tests/test_judge_nonfinite.py",

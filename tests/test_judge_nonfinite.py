@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from harness.judge.diff import ReferenceDiverged, check_snapshot
 from harness.fuzz.main import OPTIMIZERS

@@ -27,7 +27,7 @@ import impl
 from cases.models import TransformerConfig, TransformerLM, lm_loss
 from harness.bench import live_memory
 from harness.bench.live_memory import LiveMemory
-from harness.run.rank import rank_prologue
+from harness.run.rank import rank_epilogue, rank_prologue
 from harness.run.snapshot import write_atomic_text
 
 # Two sizes for the step-time comparison: 0.93M and 5.27M parameters.
@@ -425,9 +425,15 @@ def main(argv: list[str] | None = None) -> int:
     dist.all_gather_object(per_rank, result)
     if rank == 0:
         write_atomic_text(Path(args.out), json.dumps({"ranks": per_rank}, indent=1))
-    # Not rank_epilogue(): the "bare" mode is the launch floor the harness is measured against,
-    # a plain launch's exit included.
-    dist.destroy_process_group()
+    if args.mode == "bare":
+        # Not rank_epilogue(): the "bare" mode is the launch floor the harness is measured against,
+        # a plain launch's exit included.
+        dist.destroy_process_group()
+    else:
+        # As the harness's ranks end: a trained model left in reference cycles and collected at
+        # interpreter exit aborted a rank ("terminate called without an active exception") after
+        # its figures were written.
+        rank_epilogue()
     return 0
 
 

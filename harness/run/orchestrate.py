@@ -42,8 +42,6 @@ import sys
 import time
 from typing import Callable
 
-import torch
-
 from cases.catalog import get_case
 from harness.run.launch import EXIT_GRACE_S, launch
 from harness.run.outcome import LaunchResult, RunOutcome

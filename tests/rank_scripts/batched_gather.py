@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from harness.adapters.base import full_tensors
-from harness.run.rank import rank_prologue
+from harness.run.rank import rank_epilogue, rank_prologue
 
 
 def model(world: int) -> nn.Module:
@@ -49,7 +49,7 @@ def main(out: Path) -> None:
                                            for n in each),
                             "shapes": {n: list(t.shape) for n, t in batched.items()}})
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": world, "results": results}))
-    dist.destroy_process_group()
+    rank_epilogue()
 
 
 if __name__ == "__main__":

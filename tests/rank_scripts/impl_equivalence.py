@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from cases.models import MLP, TransformerConfig, TransformerLM, lm_loss
 from impl import full_state_dict, fully_shard, local_shards, units
-from harness.run.rank import rank_prologue
+from harness.run.rank import rank_epilogue, rank_prologue
 
 STEPS = 5
 
@@ -189,7 +189,7 @@ def main() -> None:
               "results": results, "memory": memory, "gathers": full_gathers(world_size)}
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
-    dist.destroy_process_group()
+    rank_epilogue()
 
 
 if __name__ == "__main__":

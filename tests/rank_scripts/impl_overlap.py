@@ -26,7 +26,7 @@ import impl
 import impl._unit
 from cases.models import TransformerConfig, TransformerLM, lm_loss
 from impl._handle import GradReducer
-from harness.run.rank import rank_prologue
+from harness.run.rank import rank_epilogue, rank_prologue
 
 CFG = TransformerConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=18, tie_weights=True)
 STEPS = 3
@@ -110,7 +110,7 @@ def main() -> int:
     }
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)
-    dist.destroy_process_group()
+    rank_epilogue()
     return 0
 
 
