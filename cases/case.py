@@ -216,6 +216,10 @@ class Case:
         purpose: a run asking for one is refused (exit 2) with `why`.
     requires: import names of the optional packages build_model needs ('transformers'): code that
         only inspects a case answers "unknown without <package>" instead of building it.
+    global_batch: samples per step. A run that splits it over a world size (times grad_accum) it
+        does not divide trains the case, reference included, on the least multiple of it that every
+        split world size of the run divides, named '<case>@batch=<B>' (make_batch must honour it).
+    world_sizes: the world sizes the case may run at.
     """
 
     name: str
@@ -278,14 +282,10 @@ class Case:
             raise ValueError(f"case={self.name}: data_modes={self.data_modes} must be a non-empty subset of {DATA_MODES}")
         if not self.world_sizes or min(self.world_sizes) < 1:
             raise ValueError(f"case={self.name}: world_sizes={self.world_sizes} must all be >= 1")
-        if "split" in self.data_modes:
-            per = self.features.batch_divisor()
-            bad = [w for w in self.world_sizes if self.global_batch % (w * per)]
-            if bad:
-                raise ValueError(
-                    f"case={self.name}: global_batch={self.global_batch} does not divide by "
-                    f"world sizes {bad} x grad_accum={per} allowed in split mode"
-                )
+        per = self.features.batch_divisor()
+        if self.global_batch % per:
+            raise ValueError(f"case={self.name}: global_batch={self.global_batch} does not divide into "
+                             f"grad_accum={per} micro-batches")
         features = self.features
         if any(o.param_groups or o.lr_scheduler for o in self.optimizers) and (
                 features.zero1 or features.checkpoint_reshard_at):

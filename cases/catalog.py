@@ -4,6 +4,7 @@ user's 'module:attr' / 'file.py:attr'). The Case API itself is cases/case.py, re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch.nn as nn
@@ -25,6 +26,8 @@ _STANDARD_OPTIMIZERS = (
 #   layers.2: 2*17 + 2 = 36 (uneven at W = 8), layers.3: 1*2 + 1 = 3 (< W: empty local shards).
 _MLP_SIZES = (13, 31, 17, 2, 1)
 _LM_CONFIG = TransformerConfig()
+# The standard and feature cases run at any world size up to 8; the default runs take 1, 2, 4 (8).
+_ANY_WORLD_SIZE = tuple(range(1, 9))
 
 
 def _mlp() -> nn.Module:
@@ -40,6 +43,7 @@ CASES: dict[str, Case] = {
     for case in (
         Case(
             name="mlp",
+            world_sizes=_ANY_WORLD_SIZE,
             description=f"MLP{_MLP_SIZES}, MSE regression; even, uneven and empty local shards",
             build_model=_mlp,
             wrap=("layers.0", "layers.1", "layers.2"),
@@ -49,6 +53,7 @@ CASES: dict[str, Case] = {
         ),
         Case(
             name="transformer",
+            world_sizes=_ANY_WORLD_SIZE,
             description=f"causal LM {_LM_CONFIG}: embeddings, attention, norms, MLP, head",
             build_model=_transformer,
             wrap=tuple(f"blocks.{i}" for i in range(_LM_CONFIG.n_layer)),
@@ -60,8 +65,8 @@ CASES: dict[str, Case] = {
 }
 
 
-# -- the seeds' FSDP features, one case each (issue: features), verified at W = 1, 2, 4 ----------
-_FEATURE_WORLD_SIZES = (1, 2, 4)
+# -- the seeds' FSDP features, one case each (issue: features) ------------------------------------
+_FEATURE_WORLD_SIZES = _ANY_WORLD_SIZE
 _TIED_CONFIG = TransformerConfig(tie_weights=True)
 _TINY_SIZES = (3, 1, 2, 1)  # flat parameters of 4, 3 and 3 elements: numel < W, size-1 weights
 
@@ -192,8 +197,16 @@ CASES.update({case.name: case for case in _ARCHITECTURE_CASES})
 LAYER_CLASSES = {"Block": Block}
 
 
+# A case run with another global batch than it declares: "<case>@batch=<B>" (see with_global_batch).
+BATCH_SUFFIX = "@batch="
+
+
 def get_case(name: str) -> Case:
-    """A catalog case by name, or a user's case by 'module:attr' / 'file.py:attr' (cases/user.py)."""
+    """A catalog case by name, or a user's case by 'module:attr' / 'file.py:attr' (cases/user.py);
+    either with "@batch=<B>" appended is that case with global batch B (`with_global_batch`)."""
+    base, suffix, batch = name.rpartition(BATCH_SUFFIX)
+    if suffix:
+        return _with_batch(base, batch)
     if ":" in name:
         return _user_case(name)
     try:
@@ -208,3 +221,20 @@ def _user_case(spec: str) -> Case:
     from cases.user import load_case  # cases/user.py imports Case from here
 
     return load_case(spec)
+
+
+def with_global_batch(name: str, global_batch: int) -> str:
+    """The name under which case `name` runs with `global_batch` samples per step (itself when that
+    is the batch it declares). A run that splits the batch over world sizes the declared batch does
+    not divide runs every cell and the reference of the case on such a batch: the same case, another
+    training run, named apart in its cells, initial state and reports."""
+    base = name.rpartition(BATCH_SUFFIX)[0] or name
+    return base if get_case(base).global_batch == global_batch else f"{base}{BATCH_SUFFIX}{global_batch}"
+
+
+@functools.lru_cache(maxsize=None)
+def _with_batch(base: str, batch: str) -> Case:
+    case = get_case(base)
+    if not batch.isdigit() or int(batch) < 1:
+        raise ValueError(f"case {base}{BATCH_SUFFIX}{batch}: the global batch must be a positive integer")
+    return dataclasses.replace(case, name=f"{case.name}_batch{batch}", global_batch=int(batch))

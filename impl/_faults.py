@@ -53,6 +53,10 @@ FAULTS: dict[str, str] = {
                               "same updates, W times the state's memory)",
     "mesh_dims_swapped": "a 2-D mesh is read as (shard, replicate) instead of (replicate, shard): NO_SHARD's (W, 1) "
                          "mesh shards over every rank",
+    "grad_predivide_param_dtype": "gradients are divided by the data-parallel size before the reduction, in the "
+                                  "parameter dtype (bfloat16 under mixed precision) before the cast to the reduce "
+                                  "dtype, and not after: exact at a power-of-two W, one more rounding of every term "
+                                  "at W = 3, 5, 6, 7",
     "reduce_at_last_gradient": "a unit starts its reduction when its last view gets a gradient on this rank (or at "
                                "the end of backward), a moment ranks that give different parameters a gradient "
                                "do not share: their collectives fall out of step",
@@ -94,6 +98,14 @@ class Seams:
         """How many times clip_grad_norm_ clips (impl/_clip.py)."""
         return 1
 
+    def before_reduce(self, padded_grad, data_parallel_size: int):
+        """The packed gradient handed to the reduction, before its cast to the reduce dtype."""
+        return padded_grad
+
+    def average_divisor(self, data_parallel_size: int) -> int:
+        """What the reduced gradient sum is divided by to give the average."""
+        return data_parallel_size
+
 
 class _ClipTwice(Seams):
     def clip_times(self) -> int:
@@ -105,6 +117,14 @@ class _ClipNormWorldGroup(Seams):
         import torch.distributed as dist
 
         return dist.group.WORLD if dist.is_initialized() else shard_group  # every rank of the world
+
+
+class _PredivideInParamDtype(Seams):
+    def before_reduce(self, padded_grad, data_parallel_size: int):
+        return padded_grad / data_parallel_size if data_parallel_size > 1 else padded_grad
+
+    def average_divisor(self, data_parallel_size: int) -> int:
+        return 1
 
 
 class _StepUnusedParams(Seams):
@@ -125,7 +145,8 @@ class _ReduceAtLastGradient(Seams):
 SEAM_FAULTS: dict[str, type[Seams]] = {"unused_params_stepped": _StepUnusedParams,
                                        "reduce_at_last_gradient": _ReduceAtLastGradient,
                                        "state_gather_rank_order": _StateGatherRankOrder,
-                                       "clip_twice": _ClipTwice, "clip_norm_world_group": _ClipNormWorldGroup}
+                                       "clip_twice": _ClipTwice, "clip_norm_world_group": _ClipNormWorldGroup,
+                                       "grad_predivide_param_dtype": _PredivideInParamDtype}
 
 
 def seams_for(faults: frozenset[str]) -> Seams:

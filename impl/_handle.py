@@ -507,7 +507,7 @@ class FlatParamHandle:
     def start_reduce(self, reduce_input: torch.Tensor) -> PendingReduce:
         """Start the reduce-scatter (sum) of `_pack_reduce_input`'s rows; finish_reduce() completes it."""
         c = self.comm
-        grad = reduce_input
+        grad = c.seams.before_reduce(reduce_input, c.data_parallel_size)
         if c.reduce_dtype is not None and grad.dtype != c.reduce_dtype:
             grad = grad.to(c.reduce_dtype)
         reduced = grad.new_empty(self.layout.shard_numel + len(self.layout.slots))
@@ -522,8 +522,9 @@ class FlatParamHandle:
             all_reduce_sum(reduced, c.replicate_group, c.stats)
         sharded_grad, flags = reduced[:self.layout.shard_numel], reduced[self.layout.shard_numel:]
         used = c.seams.used_slots((flags != 0).tolist())
-        if "no_grad_average" not in c.faults and c.data_parallel_size > 1:
-            sharded_grad.div_(c.data_parallel_size)
+        divisor = c.seams.average_divisor(c.data_parallel_size)
+        if "no_grad_average" not in c.faults and divisor > 1:
+            sharded_grad.div_(divisor)
         if "grad_nan_one_element" in c.faults and c.shard_rank == c.shard_world_size - 1:
             self._num_reductions = getattr(self, "_num_reductions", 0) + 1
             if self._num_reductions == 2 and sharded_grad.numel():

@@ -7,6 +7,7 @@ import torch
 
 from cases.catalog import CASES, Case, OptimizerSpec, get_case
 from cases.data import local_batch
+from cases.features import Features
 from harness import cli
 from harness.judge.diff import DiffStats, compare, owner_of, ulp_distance
 from harness.errors import PlanError
@@ -73,8 +74,8 @@ def test_local_batch_split_partitions_the_global_batch():
 
 def test_case_validation_names_the_field():
     base = CASES["mlp"]
-    with pytest.raises(ValueError, match="global_batch=8 does not divide by world sizes \\[3\\]"):
-        Case(**{**base.__dict__, "world_sizes": (1, 3)})
+    with pytest.raises(ValueError, match="global_batch=8 does not divide into grad_accum=3 micro-batches"):
+        Case(**{**base.__dict__, "features": Features(grad_accum=3)})
     with pytest.raises(ValueError, match="kind='lion'"):
         OptimizerSpec("lion", lr=1.0)
     with pytest.raises(ValueError, match="unknown case 'nope'"):
@@ -127,7 +128,7 @@ def test_an_adapter_with_process_wide_state_gets_a_launch_per_world_size(tmp_pat
     ({"cases": ("nope",)}, "unknown case 'nope'"),
     ({"impls": ("nope",)}, "unknown impl 'nope'"),
     ({"world_sizes": (0,)}, "world_size=0 must be >= 1"),
-    ({"world_sizes": (3,), "data_modes": ("split",)}, "global_batch=8 does not divide by world_size=3"),
+    ({"cases": ("uneven_tiny",), "world_sizes": (3,)}, "does not run at world_size=3"),
     ({"impls": ("single",)}, "only at world_size=1"),
     ({"faults": ("no_such_fault",)}, "unknown fault"),
 ])
@@ -140,7 +141,7 @@ def test_plan_rejects_bad_input(tmp_path, kwargs, message):
     ["run", "--cases", "nope"],
     ["run", "--impls", "ours,nope"],
     ["run", "--world-sizes", "0"],
-    ["run", "--world-sizes", "3", "--data", "split"],
+    ["run", "--cases", "uneven_tiny", "--world-sizes", "3"],
     ["run", "--out", "/proc/harness-cannot-write-here"],
     ["run", "--world-sizes", "two"],
     ["run", "--bogus-flag"],
@@ -206,3 +207,39 @@ def test_progress_counts_cells_marked_complete_and_reads_records_once_at_the_end
     progress.update(2, recount=True)
     assert sorted(reads) == sorted(c.cell_id for c in progress.all_cells)
     assert stream.getvalue().splitlines()[-1].startswith(f"[harness] {len(cells)}/{len(progress.all_cells)} cells done")
+
+
+def test_split_batch_grows_to_a_multiple_every_world_size_divides(tmp_path):
+    """--world-sizes 3 splits the standard cases evenly: the case runs, reference included, on the
+    least multiple of its global batch that every split world size (times grad_accum) divides."""
+    plan = build_plan(cases=("mlp", "grad_accumulation"), impls=("ours",), world_sizes=(1, 2, 3), out_dir=tmp_path)
+    assert {c.case for c in plan.cells} == {"mlp@batch=24", "grad_accumulation@batch=24"}  # lcm(8, 3, 2 x 3 M=2)
+    assert {c.case for c in plan.references} == {"mlp@batch=24", "grad_accumulation@batch=24"}
+    assert any("global batch 8 -> 24" in n for n in plan.notes)
+    case = get_case("mlp@batch=24")
+    assert (case.global_batch, case.name) == (24, "mlp_batch24")
+    assert case.make_batch(case.seed, 1, case.global_batch)[0].shape[0] == 24
+    five = build_plan(cases=("mlp",), impls=("ours",), world_sizes=(5, 7), data_modes=("split",), out_dir=tmp_path)
+    assert {c.case for c in five.cells} == {"mlp@batch=280"}
+    # Identical data, or world sizes the batch divides: the case as declared.
+    same = build_plan(cases=("mlp",), impls=("ours",), world_sizes=(1, 2, 4, 8), out_dir=tmp_path)
+    assert {c.case for c in same.cells} == {"mlp"} and not any("global batch" in n for n in same.notes)
+    identical = build_plan(cases=("mlp",), impls=("ours",), world_sizes=(3,), data_modes=("identical",),
+                           out_dir=tmp_path)
+    assert {c.case for c in identical.cells} == {"mlp"}
+
+
+def test_a_case_whose_batch_cannot_grow_is_refused(tmp_path):
+    """A make_batch that ignores the global batch it is asked for is refused before any rank starts."""
+    fixed = tmp_path / "fixed_batch.py"
+    fixed.write_text(
+        "import torch\n"
+        "from cases.catalog import CASES\n"
+        "import dataclasses\n"
+        "def make_case():\n"
+        "    base = CASES['mlp']\n"
+        "    def eight(seed, step, global_batch):\n"
+        "        return base.make_batch(seed, step, 8)\n"
+        "    return dataclasses.replace(base, name='fixed_batch', make_batch=eight)\n")
+    with pytest.raises(PlanError, match="gave batches of dim-0 sizes \\['8'\\], not 24"):
+        build_plan(cases=(f"{fixed}:make_case",), impls=("ours",), world_sizes=(1, 3), out_dir=tmp_path)

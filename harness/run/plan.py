@@ -8,13 +8,14 @@ bad request fails with one clear line and exit code 2.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cases.catalog import CASES, get_case
+from cases.catalog import CASES, get_case, with_global_batch
 from cases.data import DATA_MODES
 from harness.errors import PlanError
 
@@ -268,11 +269,14 @@ def build_plan(
 
         check_faults(faults + fault_copies, impls)
 
+    cases, batch_notes = _split_batches(cases, world_sizes, data_modes)
     cells, skipped = [], []
     for case_name in cases:
         case = get_case(case_name)
         modes = data_modes or case.data_modes
         for w in world_sizes:
+            if w not in case.world_sizes:
+                raise PlanError(f"case={case_name} does not run at world_size={w}; its world sizes: {list(case.world_sizes)}")
             for mode in modes:
                 if mode not in case.data_modes:
                     why = dict(case.refused_modes).get(mode)
@@ -283,8 +287,6 @@ def build_plan(
                         f"case={case_name}: global_batch={case.global_batch} does not divide by "
                         f"world_size={w} in split mode"
                     )
-            if w not in case.world_sizes:
-                raise PlanError(f"case={case_name} does not run at world_size={w}; its world sizes: {list(case.world_sizes)}")
             for mode in modes:
                 for impl in impls:
                     cell = Cell(case_name, impl, w, mode, steps or case.steps,
@@ -295,7 +297,7 @@ def build_plan(
                         skipped.append((cell, reason))
                     else:
                         cells.append(cell)
-    notes = _check_cases(cases, adapters, world_sizes, data_modes)
+    notes = batch_notes + _check_cases(cases, adapters, world_sizes, data_modes)
     if not cells:
         raise PlanError("nothing to run: every requested cell is skipped: "
                         + "; ".join(sorted({f"{c.case} ({c.impl}): {r}" for c, r in skipped})))
@@ -327,6 +329,47 @@ JUDGE_ON_RANKS_FROM = 1 << 20
 def num_parameters(case_name: str) -> int:
     """The case's plain model's parameter count, built on the meta device (no memory for them)."""
     return sum(p.numel() for p in get_case(case_name).build_shapes().parameters())
+
+
+def _split_batches(cases: tuple[str, ...], world_sizes: tuple[int, ...], data_modes: tuple[str, ...] | None
+                   ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Each case under the name it runs by here: a case whose global batch some split world size of
+    the run (times its micro-batches) does not divide runs, reference included, on the least
+    multiple of that batch they all divide (cases/catalog.py with_global_batch), so that
+    --world-sizes 3,5,6,7 split every case evenly. Returns the names and a note per enlarged batch."""
+    names, notes = [], []
+    for name in cases:
+        case = get_case(name)
+        if "split" not in (data_modes or case.data_modes) or "split" not in case.data_modes:
+            names.append(name)
+            continue
+        per = case.features.batch_divisor()
+        batch = math.lcm(case.global_batch, *(w * per for w in world_sizes if w in case.world_sizes))
+        if batch != case.global_batch:
+            name = with_global_batch(name, batch)
+            _check_batch_size(name, batch)
+            notes.append(f"case={case.name}: global batch {case.global_batch} -> {batch} (runs as {name}) so that "
+                         f"split data divides evenly over world sizes {list(world_sizes)}"
+                         + (f" x grad_accum={per}" if per > 1 else ""))
+        names.append(name)
+    return tuple(names), tuple(notes)
+
+
+def _check_batch_size(name: str, batch: int) -> None:
+    """The case's make_batch gives `batch` samples when asked for them (dim 0 of every tensor)."""
+    import torch
+
+    case = get_case(name)
+    try:
+        made = case.make_batch(case.seed, 1, batch)
+    except Exception as e:
+        raise PlanError(f"case={name}: make_batch(seed, 1, {batch}) raised {type(e).__name__}: {_one_line(e)}; "
+                        f"give the case a global_batch every split world size divides") from None
+    sizes = {t.shape[0] if t.dim() else None for t in torch.utils._pytree.tree_leaves(made)
+             if isinstance(t, torch.Tensor)}
+    if sizes != {batch}:
+        raise PlanError(f"case={name}: make_batch(seed, 1, {batch}) gave batches of dim-0 sizes {sorted(map(str, sizes))}, "
+                        f"not {batch}; give the case a global_batch every split world size divides")
 
 
 def _check_cases(cases: tuple[str, ...], adapters: dict, world_sizes: tuple[int, ...],
