@@ -98,6 +98,25 @@ def _tiny_mlp() -> nn.Module:
     return MLP(_TINY_SIZES)
 
 
+def _warmup_then_decay(optimizer):
+    """Per group (blocks, then the default group of the root's parameters): a linear warm-up over 3
+    steps for the blocks, a geometric decay for the rest: the learning rate differs between groups
+    and from step to step."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return LambdaLR(optimizer, [lambda s: min(1.0, (s + 1) / 3), lambda s: 0.7 ** s])
+
+
+# The blocks' parameters are a group of their own: each wrapped unit's parameters share one group,
+# which an implementation with one flat parameter per unit can step.
+_SCHEDULED_OPTIMIZERS = (
+    OptimizerSpec("sgd", lr=0.05, momentum=0.9, param_groups=(ParamGroup(("blocks.*",), lr=0.1),),
+                  lr_scheduler=_warmup_then_decay),
+    OptimizerSpec("adamw", lr=1e-3, weight_decay=0.01,
+                  param_groups=(ParamGroup(("blocks.*",), lr=3e-3, weight_decay=0.1),),
+                  lr_scheduler=_warmup_then_decay),
+)
+
 _FEATURE_CASES = (
     _lm_case("tied_embeddings", "output head tied to the token embedding in one unit (the root); tying "
              "across two units is refused with a clear error, which the cell asserts",
@@ -147,6 +166,9 @@ _FEATURE_CASES = (
     _lm_case("state_dict_reshard", "sharded checkpoint after steps 2 and 3, reloaded with half the shard "
              "size and then unsharded (W = 4: 4 -> 2 -> 1 shards), optimizer state included; at the end "
              "a full state dict saved by rank 0 reloads bitwise", Features(checkpoint_reshard_at=(2, 3))),
+    _lm_case("lr_schedule", "parameter groups (the blocks with their own lr and weight decay) and an LR scheduler "
+             "with one schedule per group (warm-up, decay), stepped after every optimizer step",
+             Features(), optimizers=_SCHEDULED_OPTIMIZERS),
     _lm_case("cpu_offload", "parameters and optimizer state on the CPU, compute on the accelerator",
              Features(requires_device="cuda")),
 )

@@ -283,10 +283,13 @@ def cmd_list() -> int:
         print("faults (run --faults NAME, planted in impl=ours):")
         for name, what in catalog.items():
             print(f"  {name}: {what}")
-    from harness.run.dist_faults import DIST_FAULTS
+    from harness.run.dist_faults import DIST_FAULTS, LOOP_FAULTS
 
     print("collective faults (run --faults NAME, in what torch.distributed delivers: any implementation, W > 1):")
     for name, what in DIST_FAULTS.items():
+        print(f"  {name}: {what}")
+    print("training-loop faults (run --faults NAME, in the loop the harness drives: any implementation, any W):")
+    for name, what in LOOP_FAULTS.items():
         print(f"  {name}: {what}")
     return EXIT_PASS
 

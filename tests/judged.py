@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -81,7 +82,7 @@ def _judged_contracts(held: tuple[str, ...], spec) -> tuple[str, ...]:
     """The contracts of `held` that judge something under optimizer `spec`: `sharded_state` only
     where the optimizer keeps elementwise state (plain SGD keeps none)."""
     p = torch.nn.Parameter(torch.ones(2))
-    optim = spec.build([p])
+    optim = dataclasses.replace(spec, param_groups=(), lr_scheduler=None).build([p])  # its kind's state
     p.grad = torch.ones(2)
     optim.step()
     keeps = any(torch.is_tensor(t) and t.dim() > 0 for st in optim.state.values() for t in st.values())

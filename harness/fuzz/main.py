@@ -360,7 +360,7 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
     if faults:
         from harness.run.dist_faults import check_faults
 
-        check_faults(faults, (impl,))
+        check_faults(faults, (impl,), loop=False)
     try:
         spec = ModelSpec.from_json(replay) if replay else None
     except (ValueError, KeyError, TypeError, AttributeError) as e:

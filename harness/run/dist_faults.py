@@ -46,6 +46,12 @@ DIST_FAULTS: dict[str, str] = {
     "dist_stale_reduction": "the second gradient reduction of a given shape and dtype returns the first one's "
                             "result (a stale buffer: at step 2 when each unit reduces once per step)",
 }
+# Faults of the training loop the harness drives around every implementation (neither in the
+# collectives nor in impl/): they act on any impl at any world size.
+LOOP_FAULTS: dict[str, str] = {
+    "lr_scheduler_stepped_twice": "the LR scheduler is stepped twice after every optimizer step, as a loop that "
+                                  "steps it beside an engine that steps it too",
+}
 SCALE = {"dist_scale_1e-5": 1e-5}
 NEVER_ACTED = "never acted"
 # Reductions whose result is a (weighted) sum: what a gradient reduction is. MAX / MIN (overflow
@@ -69,22 +75,39 @@ COLLECTIVE_METHODS = {
 
 
 def split_faults(faults: Iterable[str]) -> tuple[frozenset[str], frozenset[str]]:
-    """(faults planted inside impl/, collective-level faults)."""
+    """(faults planted inside impl/, collective-level faults); the loop's own are neither."""
     faults = frozenset(faults)
-    return faults - set(DIST_FAULTS), faults & set(DIST_FAULTS)
+    return faults - set(DIST_FAULTS) - set(LOOP_FAULTS), faults & set(DIST_FAULTS)
 
 
-def check_faults(faults: Iterable[str], impls: Iterable[str]) -> None:
+def scheduler_steps(faults: Iterable[str], scheduler, where: str) -> int:
+    """How many times the loop steps the LR scheduler after an optimizer step: once, or twice with
+    lr_scheduler_stepped_twice, which is an error where there is no scheduler to step."""
+    if "lr_scheduler_stepped_twice" not in faults:
+        return 1
+    if scheduler is None:
+        raise RuntimeError(f"{where}: fault lr_scheduler_stepped_twice {NEVER_ACTED}: the optimizer has no "
+                           f"lr_scheduler (a case with one: lr_schedule)")
+    return 2
+
+
+def check_faults(faults: Iterable[str], impls: Iterable[str], loop: bool = True) -> None:
     """The one validation of requested fault names (run/gate --faults, fuzz --faults, mutants
-    --only): each is a collective fault (any implementation) or a fault planted in impl/, which
-    needs impl=ours among `impls`. PlanError (exit 2) naming the known ones otherwise."""
+    --only): each is a collective fault (any implementation), a training-loop fault (run and gate:
+    `loop`), or a fault planted in impl/, which needs impl=ours among `impls`. PlanError (exit 2)
+    naming the known ones otherwise."""
     from harness.adapters.ours import planted_faults
 
+    faults = frozenset(faults)
+    if not loop and faults & LOOP_FAULTS.keys():
+        raise PlanError(f"faults {sorted(faults & LOOP_FAULTS.keys())} act in the training loop of run and gate; "
+                        f"this verb drives its own loop")
     impl_faults, _ = split_faults(faults)
     known = planted_faults()
     unknown = sorted(impl_faults - set(known))
     if unknown:
         raise PlanError(f"unknown fault(s) {unknown}; known: collective faults (any impl) {sorted(DIST_FAULTS)}, "
+                        f"training-loop faults (any impl, run and gate) {sorted(LOOP_FAULTS)}, "
                         f"planted in impl/ (impl=ours) {sorted(known)}")
     impls = tuple(impls)
     if impl_faults and "ours" not in impls:

@@ -157,11 +157,13 @@ def check_world_size(size: int, flag: str, device: str = "cpu") -> None:
 
 
 def _cell_faults(faults: tuple[str, ...], impl: str, world_size: int) -> tuple[str, ...]:
-    """impl/'s faults on impl=ours cells; collective faults on every cell with collectives (W > 1)."""
-    from harness.run.dist_faults import split_faults
+    """impl/'s faults on impl=ours cells; collective faults on every cell with collectives (W > 1);
+    the training loop's on every cell."""
+    from harness.run.dist_faults import LOOP_FAULTS, split_faults
 
     impl_faults, collective_faults = split_faults(faults)
-    return tuple(sorted((impl_faults if impl == "ours" else set()) | (collective_faults if world_size > 1 else set())))
+    return tuple(sorted((impl_faults if impl == "ours" else set()) | (collective_faults if world_size > 1 else set())
+                        | (set(faults) & LOOP_FAULTS.keys())))
 
 
 def _fault_copies(cells: list[Cell], fault_copies: tuple[str, ...]) -> list[Cell]:

@@ -327,7 +327,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     features = case.features
     adapter: Adapter = dist_faults.planted(resolve_impl(cell.impl), cell.faults)  # collective faults, if any
     ctx = world if adapter.needs_process_group else RankContext(0, 1, None, world.device)
-    ctx = replace(ctx, features=features, faults=frozenset(cell.faults))
+    ctx = replace(ctx, features=features, faults=frozenset(cell.faults) - dist_faults.LOOP_FAULTS.keys())
     if features.refused_wrap and adapter.refuses_cross_unit_ties:
         _check_refused_wrap(case, adapter, ctx)
     # names and structure; the values of the buffers, where they are not given
@@ -341,6 +341,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     wrapped: nn.Module = _build_wrapped(case, adapter, ctx, init_state, init_buffers, wrap_paths)
     optim = _make_optimizer(adapter, wrapped, spec, case, ctx, cell, set(names))
     scheduler = spec.build_scheduler(optim)
+    scheduler_steps = dist_faults.scheduler_steps(cell.faults, scheduler, f"cell {cell.cell_id}")
     is_writer = world.rank == 0
     contracts = active_contracts(features, ctx.world_size, adapter.contracts)
     ledger = CollectiveLedger(features.shard_group(ctx.world_size, ctx.rank)) if contracts else None
@@ -398,7 +399,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
             loss, grads, clip_norm, clipped_grads = train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets,
                                                                features.grad_accum, features, full_grads,
                                                                clipped_evidence=full_grads, ledger=ledger)
-        if scheduler is not None:
+        for _ in range(scheduler_steps if scheduler is not None else 0):
             scheduler.step()
         params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
         buffers = _pick(adapter.full_buffers(wrapped), buffer_names, "full_buffers", ctx, cell)
