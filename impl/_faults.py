@@ -57,6 +57,9 @@ FAULTS: dict[str, str] = {
                                   "parameter dtype (bfloat16 under mixed precision) before the cast to the reduce "
                                   "dtype, and not after: exact at a power-of-two W, one more rounding of every term "
                                   "at W = 3, 5, 6, 7",
+    "grad_scale_from_step_6": "from its 6th reduction on (step 6 where a unit reduces once per step) every reduced "
+                              "gradient shard is scaled by (1 + 1e-5), as a buffer captured after a warm-up: the "
+                              "first five steps are exact",
     "reduce_at_last_gradient": "a unit starts its reduction when its last view gets a gradient on this rank (or at "
                                "the end of backward), a moment ranks that give different parameters a gradient "
                                "do not share: their collectives fall out of step",
@@ -106,6 +109,9 @@ class Seams:
         """What the reduced gradient sum is divided by to give the average."""
         return data_parallel_size
 
+    def averaged(self, handle, sharded_grad) -> None:
+        """The averaged gradient shard of `handle`'s reduction, in place, before padding is zeroed."""
+
 
 class _ClipTwice(Seams):
     def clip_times(self) -> int:
@@ -127,6 +133,16 @@ class _PredivideInParamDtype(Seams):
         return 1
 
 
+class _ScaleFromStep6(Seams):
+    def __init__(self) -> None:
+        self.reductions: dict[int, int] = {}
+
+    def averaged(self, handle, sharded_grad) -> None:
+        self.reductions[id(handle)] = count = self.reductions.get(id(handle), 0) + 1
+        if count >= 6:
+            sharded_grad.mul_(1 + 1e-5)
+
+
 class _StepUnusedParams(Seams):
     def used_slots(self, used: list[bool]) -> list[bool]:
         return [True] * len(used)
@@ -146,7 +162,8 @@ SEAM_FAULTS: dict[str, type[Seams]] = {"unused_params_stepped": _StepUnusedParam
                                        "reduce_at_last_gradient": _ReduceAtLastGradient,
                                        "state_gather_rank_order": _StateGatherRankOrder,
                                        "clip_twice": _ClipTwice, "clip_norm_world_group": _ClipNormWorldGroup,
-                                       "grad_predivide_param_dtype": _PredivideInParamDtype}
+                                       "grad_predivide_param_dtype": _PredivideInParamDtype,
+                                       "grad_scale_from_step_6": _ScaleFromStep6}
 
 
 def seams_for(faults: frozenset[str]) -> Seams:

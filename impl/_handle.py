@@ -531,6 +531,7 @@ class FlatParamHandle:
                 sharded_grad[0] = float("nan")
         for fault in c.faults & GRAD_SCALE_FAULTS.keys():
             sharded_grad.mul_(1 + GRAD_SCALE_FAULTS[fault])
+        c.seams.averaged(self, sharded_grad)
         if "grad_shift_one_ulp" in c.faults:
             up = torch.nextafter(sharded_grad, torch.full_like(sharded_grad, float("inf")))
             sharded_grad.copy_(torch.where(sharded_grad != 0, up, sharded_grad))

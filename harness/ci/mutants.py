@@ -73,6 +73,7 @@ FAULT_NEEDS = {
     "reshard_after_forward_ignored": "reshard_after_forward=False",
     "mesh_dims_swapped": "a 2-D mesh (HSDP or NO_SHARD)",
     "zero1_state_replicated": "ZeRO-1",
+    "grad_scale_from_step_6": f"6 steps or more (these run {GATE_STEPS})",
     "grad_predivide_param_dtype": f"a world size that is not a power of two (these run W = {list(GATE_WORLD_SIZES)})",
 }
 
@@ -103,6 +104,7 @@ def fault_cannot_act(fault: str, case_name: str) -> str | None:
         "reshard_after_forward_ignored": lambda: not features.reshard_after_forward,
         "mesh_dims_swapped": lambda: features.mesh != "shard",
         "zero1_state_replicated": lambda: features.zero1,
+        "grad_scale_from_step_6": lambda: GATE_STEPS >= 6,
         # dividing by a power of two is exact in any dtype
         "grad_predivide_param_dtype": lambda: any(w & (w - 1) for w in GATE_WORLD_SIZES),
     }
