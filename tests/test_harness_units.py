@@ -128,7 +128,7 @@ def test_an_adapter_with_process_wide_state_gets_a_launch_per_world_size(tmp_pat
     ({"cases": ("nope",)}, "unknown case 'nope'"),
     ({"impls": ("nope",)}, "unknown impl 'nope'"),
     ({"world_sizes": (0,)}, "world_size=0 must be >= 1"),
-    ({"cases": ("uneven_tiny",), "world_sizes": (3,)}, "does not run at world_size=3"),
+    ({"cases": ("tests/data/user_case_no_decay.py:make_case",), "world_sizes": (3,)}, "does not run at world_size=3"),
     ({"impls": ("single",)}, "only at world_size=1"),
     ({"faults": ("no_such_fault",)}, "unknown fault"),
 ])
@@ -141,7 +141,7 @@ def test_plan_rejects_bad_input(tmp_path, kwargs, message):
     ["run", "--cases", "nope"],
     ["run", "--impls", "ours,nope"],
     ["run", "--world-sizes", "0"],
-    ["run", "--cases", "uneven_tiny", "--world-sizes", "3"],
+    ["run", "--cases", "tests/data/user_case_no_decay.py:make_case", "--world-sizes", "3"],
     ["run", "--out", "/proc/harness-cannot-write-here"],
     ["run", "--world-sizes", "two"],
     ["run", "--bogus-flag"],
