@@ -39,7 +39,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if not grads:
         return torch.tensor(0.0)
     first = None
-    for _ in range(seams.clip_times()):
+    for _ in range(seams.clip_times(1)):
         total = _total_norm(sharded, replicated, norm_type, seams.clip_norm_group(group), grads[0].device)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:

@@ -1,16 +1,22 @@
-"""The fault-injection seam: named, planted sharding bugs, inert unless a unit is built with them.
+"""The fault-injection seams: named, planted sharding bugs, inert unless a unit is built with them.
 
-`fully_shard(..., _faults=frozenset({"no_grad_average"}))` enables them for that unit only; with
-the default empty set every check below is a set-membership test that is never true. The
-catalog exists so the harness can prove its tolerances still catch real bugs (the mutants
-verb); no production code path depends on it. Nothing here is global state.
+`fully_shard(..., _faults=frozenset({"no_grad_average"}))` plants them in that unit only. The
+catalog exists so the harness can prove its tolerances still catch real bugs (the mutants verb);
+no production code path depends on it, and nothing here is global state.
 
-Newer faults reach impl/ as hook objects at named seams instead (`Seams`, built once per unit by
-`seams_for`): an honest unit gets the base class, whose every hook changes nothing, so production
-code calls the hook without asking which fault, if any, is planted.
+[Note: Fault seams]
+Each fault is a subclass of `Seams` overriding the hooks where it acts; `seams_for` builds the
+unit's hook object once, at wrap time. impl/ calls every hook on every path and never asks which
+fault, if any, is planted: an honest unit gets the base class, whose every hook returns the value
+it is given (the honest decision or tensor), so an honest run computes what it would without the
+seam, bit for bit. A hook takes the honest value first and returns the value to use; hooks that
+act on a tensor in place return that tensor. Several faults in one unit apply in the order of
+their names, each to what the previous one returned (`_Chain`).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 FAULTS: dict[str, str] = {
     "no_grad_average": "reduce-scatter sums gradients but never divides by the world size",
@@ -64,7 +70,6 @@ FAULTS: dict[str, str] = {
                                "the end of backward), a moment ranks that give different parameters a gradient "
                                "do not share: their collectives fall out of step",
 }
-GRAD_SCALE_FAULTS = {"grad_scale_1e-5": 1e-5, "grad_scale_1e-6": 1e-6, "grad_scale_1e-7": 1e-7}
 
 
 def validate_faults(faults: frozenset[str]) -> frozenset[str]:
@@ -77,16 +82,85 @@ def validate_faults(faults: frozenset[str]) -> frozenset[str]:
 class Seams:
     """The hooks of impl/ where a planted fault may act; this base class is the honest behaviour."""
 
+    planted = False  # whether any fault acts through this object
+
+    # -- wrapping (impl/api.py) ------------------------------------------------------------------
+    def mesh_groups(self, groups: tuple, has_mesh: bool) -> tuple:
+        """(shard group, replicate group) read from the unit's mesh."""
+        return groups
+
+    def wrapped_buffers(self, module):
+        """The module whose own (unwrapped) buffers fully_shard just took over, after wrapping."""
+        return module
+
+    def shares_tied(self, shared: bool) -> bool:
+        """Whether a parameter reached under a second name shares the first name's slot."""
+        return shared
+
+    def reshard_after_forward(self, configured: bool) -> bool:
+        return configured
+
+    # -- sharding at init (impl/_handle.py) -------------------------------------------------------
+    def shard_bounds(self, bounds: tuple, padded):
+        """((start, end), padded buffer) this rank's shard is cut from."""
+        return bounds, padded
+
+    def init_padding_value(self, value: float) -> float:
+        """What the padded tail of a shard holds after sharding at init and when re-zeroed."""
+        return value
+
+    # -- all-gather -------------------------------------------------------------------------------
+    def cast_for_gather(self, cast, master):
+        """The shard cast to the parameter dtype for the all-gather (`master`: the fp32 shard)."""
+        return cast
+
+    def gathered(self, out, shard_world_size: int):
+        """The unsharded buffer just all-gathered, in place."""
+        return out
+
+    def regathers_for_backward(self, regather: bool) -> bool:
+        """Whether resharding after forward frees the buffer (backward gathers it again)."""
+        return regather
+
+    # -- gradient reduction -----------------------------------------------------------------------
+    def gradient_sync(self, requested: bool) -> bool:
+        """Whether this backward reduces (set_requires_gradient_sync's choice)."""
+        return requested
+
     def used_slots(self, used: list[bool]) -> list[bool]:
         """Per slot of a flat parameter, whether some rank had a gradient for it in the reduction
         just completed ([Note: Gradients with their used flags] in impl/_handle.py)."""
         return used
 
-    def reduce_at_last_gradient(self) -> bool:
+    def reduce_at_last_gradient(self, at_last: bool) -> bool:
         """Whether a unit reduces as soon as its last view got a gradient on this rank, instead of
         at the next point every rank agrees on ([Note: Rank-consistent reductions] in impl/_unit.py)."""
-        return False
+        return at_last
 
+    def before_reduce(self, padded_grad, data_parallel_size: int):
+        """The packed gradient handed to the reduction, before its cast to the reduce dtype."""
+        return padded_grad
+
+    def average_divisor(self, divisor: int) -> int:
+        """What the reduced gradient sum is divided by to give the average."""
+        return divisor
+
+    def averaged(self, sharded_grad, handle, comm):
+        """The averaged gradient shard of `handle`'s reduction, in place, before padding is zeroed."""
+        return sharded_grad
+
+    def gradient_padding_value(self, value: float) -> float:
+        """What the padding of a reduced gradient shard is set to."""
+        return value
+
+    def accumulates(self, accumulate: bool) -> bool:
+        """Whether a second reduction in one step adds into the shard gradient (or replaces it)."""
+        return accumulate
+
+    # -- optimizer, clipping, state dicts ---------------------------------------------------------
+    def zero1_whole_state(self, whole: bool) -> bool:
+        """Whether ZeRO-1 steps every slot of the buffer on every rank."""
+        return whole
 
     def gathered_blocks(self, blocks):
         """The (W, numel) blocks of a state-dict all-gather, one row per rank of the shard group,
@@ -97,78 +171,256 @@ class Seams:
         """The group the shards' partial norms are summed over (impl/_clip.py)."""
         return shard_group
 
-    def clip_times(self) -> int:
+    def clip_times(self, times: int) -> int:
         """How many times clip_grad_norm_ clips (impl/_clip.py)."""
+        return times
+
+
+class _Planted(Seams):
+    planted = True
+
+
+class _NoGradAverage(_Planted):
+    def average_divisor(self, divisor: int) -> int:
         return 1
 
-    def before_reduce(self, padded_grad, data_parallel_size: int):
-        """The packed gradient handed to the reduction, before its cast to the reduce dtype."""
-        return padded_grad
 
-    def average_divisor(self, data_parallel_size: int) -> int:
-        """What the reduced gradient sum is divided by to give the average."""
-        return data_parallel_size
-
-    def averaged(self, handle, sharded_grad) -> None:
-        """The averaged gradient shard of `handle`'s reduction, in place, before padding is zeroed."""
+class _PaddingGarbageAtInit(_Planted):
+    def init_padding_value(self, value: float) -> float:
+        return 1.0
 
 
-class _ClipTwice(Seams):
-    def clip_times(self) -> int:
-        return 2
+class _ShardOffsetOffByOne(_Planted):
+    def shard_bounds(self, bounds: tuple, padded):
+        import torch
+
+        (start, end) = bounds
+        return (start + 1, end + 1), torch.cat([padded, padded.new_zeros(1)])
 
 
-class _ClipNormWorldGroup(Seams):
+class _AllGatherRankOrder(_Planted):
+    def gathered(self, out, shard_world_size: int):
+        import torch
+
+        if shard_world_size > 1:
+            out.copy_(torch.cat(list(reversed(out.chunk(shard_world_size)))))
+        return out
+
+
+class _LastRank(_Planted):
+    """A fault that acts on the last rank of the shard group only."""
+
+    @staticmethod
+    def on_last_rank(comm) -> bool:
+        return comm.shard_rank == comm.shard_world_size - 1
+
+
+class _DropLastRankGrad(_LastRank):
+    def averaged(self, sharded_grad, handle, comm):
+        return sharded_grad.zero_() if self.on_last_rank(comm) else sharded_grad
+
+
+class _GradPaddingGarbage(_Planted):
+    def gradient_padding_value(self, value: float) -> float:
+        return 1.0
+
+
+class _NoRegatherBeforeBackward(_Planted):
+    def regathers_for_backward(self, regather: bool) -> bool:
+        return False
+
+
+class _TiedParamDuplicated(_Planted):
+    def shares_tied(self, shared: bool) -> bool:
+        return False
+
+
+class _GradAccumOverwrite(_Planted):
+    def accumulates(self, accumulate: bool) -> bool:
+        return False
+
+
+class _ScaleGrad(_Planted):
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def averaged(self, sharded_grad, handle, comm):
+        return sharded_grad.mul_(1 + self.scale)
+
+
+class _GradShiftOneUlp(_Planted):
+    def averaged(self, sharded_grad, handle, comm):
+        import torch
+
+        up = torch.nextafter(sharded_grad, torch.full_like(sharded_grad, float("inf")))
+        return sharded_grad.copy_(torch.where(sharded_grad != 0, up, sharded_grad))
+
+
+class _MasterLostToParamDtype(_Planted):
+    def cast_for_gather(self, cast, master):
+        import torch
+
+        if cast is not master:
+            with torch.no_grad():
+                master.copy_(cast.to(master.dtype))
+        return cast
+
+
+class _ReplicaGradDrift(_Planted):
+    def averaged(self, sharded_grad, handle, comm):
+        import torch.distributed as dist
+
+        if comm.replicate_group is not None and dist.get_rank(comm.replicate_group) == 1:
+            sharded_grad.mul_(1 + 1e-3)
+        return sharded_grad
+
+
+class _GradNanOneElement(_LastRank):
+    def __init__(self) -> None:
+        self.reductions: dict[int, int] = {}
+
+    def averaged(self, sharded_grad, handle, comm):
+        if self.on_last_rank(comm):
+            self.reductions[id(handle)] = count = self.reductions.get(id(handle), 0) + 1
+            if count == 2 and sharded_grad.numel():
+                sharded_grad[0] = float("nan")
+        return sharded_grad
+
+
+class _BuffersZeroedAtWrap(_Planted):
+    def wrapped_buffers(self, module):
+        import torch
+
+        from impl.api import _unwrapped_modules
+
+        with torch.no_grad():
+            for _, sub in _unwrapped_modules(module):
+                for b in sub.buffers(recurse=False):
+                    b.zero_()
+        return module
+
+
+class _StepUnusedParams(_Planted):
+    def used_slots(self, used: list[bool]) -> list[bool]:
+        return [True] * len(used)
+
+
+class _StateGatherRankOrder(_Planted):
+    def gathered_blocks(self, blocks):
+        return blocks.roll(1, dims=0)
+
+
+class _ClipTwice(_Planted):
+    def clip_times(self, times: int) -> int:
+        return 2 * times
+
+
+class _ClipNormWorldGroup(_Planted):
     def clip_norm_group(self, shard_group):
         import torch.distributed as dist
 
         return dist.group.WORLD if dist.is_initialized() else shard_group  # every rank of the world
 
 
-class _PredivideInParamDtype(Seams):
-    def before_reduce(self, padded_grad, data_parallel_size: int):
-        return padded_grad / data_parallel_size if data_parallel_size > 1 else padded_grad
-
-    def average_divisor(self, data_parallel_size: int) -> int:
-        return 1
-
-
-class _ScaleFromStep6(Seams):
-    def __init__(self) -> None:
-        self.reductions: dict[int, int] = {}
-
-    def averaged(self, handle, sharded_grad) -> None:
-        self.reductions[id(handle)] = count = self.reductions.get(id(handle), 0) + 1
-        if count >= 6:
-            sharded_grad.mul_(1 + 1e-5)
-
-
-class _StepUnusedParams(Seams):
-    def used_slots(self, used: list[bool]) -> list[bool]:
-        return [True] * len(used)
-
-
-class _StateGatherRankOrder(Seams):
-    def gathered_blocks(self, blocks):
-        return blocks.roll(1, dims=0)
-
-
-class _ReduceAtLastGradient(Seams):
-    def reduce_at_last_gradient(self) -> bool:
+class _GradSyncEveryMicro(_Planted):
+    def gradient_sync(self, requested: bool) -> bool:
         return True
 
 
-SEAM_FAULTS: dict[str, type[Seams]] = {"unused_params_stepped": _StepUnusedParams,
-                                       "reduce_at_last_gradient": _ReduceAtLastGradient,
-                                       "state_gather_rank_order": _StateGatherRankOrder,
-                                       "clip_twice": _ClipTwice, "clip_norm_world_group": _ClipNormWorldGroup,
-                                       "grad_predivide_param_dtype": _PredivideInParamDtype,
-                                       "grad_scale_from_step_6": _ScaleFromStep6}
+class _ReshardAfterForwardIgnored(_Planted):
+    def reshard_after_forward(self, configured: bool) -> bool:
+        return True
+
+
+class _Zero1StateReplicated(_Planted):
+    def zero1_whole_state(self, whole: bool) -> bool:
+        return True
+
+
+class _MeshDimsSwapped(_Planted):
+    def mesh_groups(self, groups: tuple, has_mesh: bool) -> tuple:
+        shard, replicate = groups
+        return (replicate, shard) if has_mesh and replicate is not None else groups
+
+
+class _ReduceAtLastGradient(_Planted):
+    def reduce_at_last_gradient(self, at_last: bool) -> bool:
+        return True
+
+
+class _PredivideInParamDtype(_Planted):
+    def before_reduce(self, padded_grad, data_parallel_size: int):
+        return padded_grad / data_parallel_size if data_parallel_size > 1 else padded_grad
+
+    def average_divisor(self, divisor: int) -> int:
+        return 1
+
+
+class _ScaleFromStep6(_Planted):
+    def __init__(self) -> None:
+        self.reductions: dict[int, int] = {}
+
+    def averaged(self, sharded_grad, handle, comm):
+        self.reductions[id(handle)] = count = self.reductions.get(id(handle), 0) + 1
+        return sharded_grad.mul_(1 + 1e-5) if count >= 6 else sharded_grad
+
+
+SEAMS: dict[str, Callable[[], Seams]] = {
+    "no_grad_average": _NoGradAverage,
+    "padding_garbage_at_init": _PaddingGarbageAtInit,
+    "shard_offset_off_by_one": _ShardOffsetOffByOne,
+    "all_gather_rank_order": _AllGatherRankOrder,
+    "drop_last_rank_grad": _DropLastRankGrad,
+    "grad_padding_garbage": _GradPaddingGarbage,
+    "no_regather_before_backward": _NoRegatherBeforeBackward,
+    "tied_param_duplicated": _TiedParamDuplicated,
+    "grad_accum_overwrite": _GradAccumOverwrite,
+    "grad_scale_1e-5": lambda: _ScaleGrad(1e-5),
+    "grad_scale_1e-6": lambda: _ScaleGrad(1e-6),
+    "grad_scale_1e-7": lambda: _ScaleGrad(1e-7),
+    "grad_shift_one_ulp": _GradShiftOneUlp,
+    "master_lost_to_param_dtype": _MasterLostToParamDtype,
+    "replica_grad_drift": _ReplicaGradDrift,
+    "grad_nan_one_element": _GradNanOneElement,
+    "buffers_zeroed_at_wrap": _BuffersZeroedAtWrap,
+    "unused_params_stepped": _StepUnusedParams,
+    "state_gather_rank_order": _StateGatherRankOrder,
+    "clip_twice": _ClipTwice,
+    "clip_norm_world_group": _ClipNormWorldGroup,
+    "grad_sync_every_micro": _GradSyncEveryMicro,
+    "reshard_after_forward_ignored": _ReshardAfterForwardIgnored,
+    "zero1_state_replicated": _Zero1StateReplicated,
+    "mesh_dims_swapped": _MeshDimsSwapped,
+    "grad_predivide_param_dtype": _PredivideInParamDtype,
+    "grad_scale_from_step_6": _ScaleFromStep6,
+    "reduce_at_last_gradient": _ReduceAtLastGradient,
+}
+assert SEAMS.keys() == FAULTS.keys(), sorted(SEAMS.keys() ^ FAULTS.keys())
+
+
+def _folding(name: str):
+    def hook(self, value, *context):
+        for seam in self.seams:
+            value = getattr(seam, name)(value, *context)
+        return value
+    hook.__name__ = name
+    return hook
+
+
+class _Chain(_Planted):
+    """Several planted faults in one unit, each hook applied in turn (faults in name order)."""
+
+    def __init__(self, seams: list[Seams]) -> None:
+        self.seams = seams
+
+
+for _name in [n for n, v in vars(Seams).items() if callable(v) and not n.startswith("_")]:
+    setattr(_Chain, _name, _folding(_name))
 
 
 def seams_for(faults: frozenset[str]) -> Seams:
-    """The hook object of a unit built with `faults` (the honest one when none acts at a seam)."""
-    planted = sorted(set(faults) & SEAM_FAULTS.keys())
-    if len(planted) > 1:
-        raise ValueError(f"faults {planted} act at the same seams; plant one of them at a time")
-    return SEAM_FAULTS[planted[0]]() if planted else Seams()
+    """The hook object of a unit built with `faults` (the honest base class when there are none)."""
+    planted = [SEAMS[name]() for name in sorted(validate_faults(faults))]
+    if not planted:
+        return Seams()
+    return planted[0] if len(planted) == 1 else _Chain(planted)

@@ -110,7 +110,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from impl._faults import GRAD_SCALE_FAULTS, Seams
+from impl._faults import Seams
 from impl._collectives import CommStats, all_gather_into, all_reduce_sum, reduce_scatter_sum
 from impl._flat_param import FlatLayout, flatten_padded, shard_of, unflatten_views, zero_padding_
 
@@ -131,7 +131,6 @@ class CommConfig:
     replicate_world_size: int
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
-    faults: frozenset[str]
     stats: CommStats | None
     compute_device: torch.device | None = None  # set by CPU offload: shards live on the CPU
     seams: Seams = field(default_factory=Seams)  # planted faults' hook objects (impl/_faults.py)
@@ -275,16 +274,15 @@ class FlatParamHandle:
     def shard_of_padded(self, padded: torch.Tensor, fresh: bool = True) -> torch.Tensor:
         """This rank's shard of a padded unsharded buffer whose padding is zero: a fresh tensor,
         or (fresh=False, for a caller that copies it at once) a view when nothing alters it."""
-        start, end = self.layout.shard_bounds(self.comm.shard_rank)
-        if not fresh and not self.comm.faults:
+        seams = self.comm.seams
+        (start, end), padded = seams.shard_bounds(self.layout.shard_bounds(self.comm.shard_rank), padded)
+        if not fresh and not seams.planted:
             return padded[start:end]
-        if "shard_offset_off_by_one" in self.comm.faults:
-            start, end = start + 1, end + 1
-            padded = torch.cat([padded, padded.new_zeros(1)])
         local = padded[start:end].clone()
-        if "padding_garbage_at_init" in self.comm.faults:
+        fill = seams.init_padding_value(0.0)
+        if fill != 0.0:
             for pad_start, pad_end in self.layout.local_padding_intervals(self.comm.shard_rank):
-                local[pad_start:pad_end] = 1.0
+                local[pad_start:pad_end] = fill
         return local
 
     def check_materialized(self, unit_name: str) -> None:
@@ -336,10 +334,7 @@ class FlatParamHandle:
             self._refs_before_gather = _storage_refs(leaf) if fresh else None
             sharded = self.sharded.detach()
             if sharded.dtype != leaf.dtype or sharded.device != leaf.device:
-                sharded = sharded.to(device=leaf.device, dtype=leaf.dtype)
-                if "master_lost_to_param_dtype" in self.comm.faults:
-                    with torch.no_grad():
-                        self.sharded.copy_(sharded.to(self.sharded.dtype))
+                sharded = self.comm.seams.cast_for_gather(sharded.to(device=leaf.device, dtype=leaf.dtype), self.sharded)
             work = all_gather_into(leaf.data, sharded, self.comm.shard_group, self.comm.stats, async_op)
         self._pending = (work, sharded)  # keeps the input alive until the gather completes
         if not (async_op and work is not None):
@@ -350,9 +345,7 @@ class FlatParamHandle:
         if work is not None:
             work.wait()
         self._pending = None
-        if "all_gather_rank_order" in self.comm.faults and self.comm.shard_world_size > 1:
-            out = self._leaf.data
-            out.copy_(torch.cat(list(reversed(out.chunk(self.comm.shard_world_size)))))
+        self.comm.seams.gathered(self._leaf.data, self.comm.shard_world_size)
         self.state = HandleState.UNSHARDED
 
     def use_views(self) -> None:
@@ -415,7 +408,7 @@ class FlatParamHandle:
             return
         leaf = self._leaf
         if leaf is not None and not self._aliased:
-            if for_backward_regather and "no_regather_before_backward" in self.comm.faults:
+            if for_backward_regather and not self.comm.seams.regathers_for_backward(True):
                 leaf.data.zero_()
                 return  # stays "unsharded": backward will use the zeroed buffer
             leaf.untyped_storage().resize_(0)
@@ -440,7 +433,7 @@ class FlatParamHandle:
         self._num_views_done += 1
         if self._num_views_done == self._num_views_pending:
             self.finish_backward()
-            if self.comm.seams.reduce_at_last_gradient():
+            if self.comm.seams.reduce_at_last_gradient(False):
                 self.reduce_gradients()
         elif self.release_early and not self.recomputing:
             # Every rank gets here alike; whether it releases is its own count's answer.
@@ -523,36 +516,23 @@ class FlatParamHandle:
         sharded_grad, flags = reduced[:self.layout.shard_numel], reduced[self.layout.shard_numel:]
         used = c.seams.used_slots((flags != 0).tolist())
         divisor = c.seams.average_divisor(c.data_parallel_size)
-        if "no_grad_average" not in c.faults and divisor > 1:
+        if divisor > 1:
             sharded_grad.div_(divisor)
-        if "grad_nan_one_element" in c.faults and c.shard_rank == c.shard_world_size - 1:
-            self._num_reductions = getattr(self, "_num_reductions", 0) + 1
-            if self._num_reductions == 2 and sharded_grad.numel():
-                sharded_grad[0] = float("nan")
-        for fault in c.faults & GRAD_SCALE_FAULTS.keys():
-            sharded_grad.mul_(1 + GRAD_SCALE_FAULTS[fault])
-        c.seams.averaged(self, sharded_grad)
-        if "grad_shift_one_ulp" in c.faults:
-            up = torch.nextafter(sharded_grad, torch.full_like(sharded_grad, float("inf")))
-            sharded_grad.copy_(torch.where(sharded_grad != 0, up, sharded_grad))
-        if ("replica_grad_drift" in c.faults and c.replicate_group is not None
-                and dist.get_rank(c.replicate_group) == 1):
-            sharded_grad.mul_(1 + 1e-3)
-        if "drop_last_rank_grad" in c.faults and c.shard_rank == c.shard_world_size - 1:
-            sharded_grad.zero_()
+        c.seams.averaged(sharded_grad, self, c)
         padding = self.layout.local_padding_intervals(c.shard_rank)
-        if "grad_padding_garbage" in c.faults:
-            for pad_start, pad_end in padding:
-                sharded_grad[pad_start:pad_end] = 1.0
-        else:
+        fill = c.seams.gradient_padding_value(0.0)
+        if fill == 0.0:
             zero_padding_(sharded_grad, padding)
+        else:
+            for pad_start, pad_end in padding:
+                sharded_grad[pad_start:pad_end] = fill
         self.accumulate_sharded_grad(sharded_grad.to(device=self.sharded.device, dtype=self.sharded.dtype), used)
 
     def accumulate_sharded_grad(self, sharded_grad: torch.Tensor, used: list[bool]) -> None:
         """Add a reduced shard gradient into the pieces' gradients, slot by slot where `used`: the
         first one since the optimizer cleared them becomes the shard gradient the pieces slice."""
         current = self.sharded_grad
-        overwrite = "grad_accum_overwrite" in self.comm.faults
+        overwrite = not self.comm.seams.accumulates(True)
         if current is None or overwrite:
             self._sharded_grad = sharded_grad
             for piece, (a, b), u in zip(self.pieces, self.local_bounds, used):
@@ -570,7 +550,7 @@ class FlatParamHandle:
                 piece.grad += sharded_grad[a:b]  # a slice of `current`
 
     def zero_sharded_padding_(self) -> None:
-        if "padding_garbage_at_init" in self.comm.faults:
+        if self.comm.seams.init_padding_value(0.0) != 0.0:
             return
         # Through .data: at W = 1 the pieces are autograd leaves viewing the shard, whose views an
         # earlier forward of this unit may have saved; padding is never read by a view, and

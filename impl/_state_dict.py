@@ -119,7 +119,7 @@ def init_meta_module(model: nn.Module, device: torch.device | str = "cpu") -> nn
 
     def materialise(handle) -> None:
         layout = handle.layout
-        in_place = layout.shard_numel == layout.padded_numel and not handle.comm.faults
+        in_place = layout.shard_numel == layout.padded_numel and not handle.comm.seams.planted
         padded = handle.sharded.data if in_place else torch.empty(
             layout.padded_numel, dtype=handle.sharded.dtype, device=device)
         padded.fill_(float("nan"))

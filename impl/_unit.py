@@ -229,7 +229,7 @@ class FSDPUnit:
     # -- FSDPModule methods ------------------------------------------------------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         for handle in self.handles:
-            handle.sync_grads = requires_gradient_sync or "grad_sync_every_micro" in handle.comm.faults
+            handle.sync_grads = handle.comm.seams.gradient_sync(requires_gradient_sync)
 
 
 def _prefetch(chosen: list[FSDPUnit] | None, implicit: FSDPUnit | None) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from impl._collectives import all_gather_into, all_reduce_sum, group_rank_and_size
-from impl._faults import validate_faults
+from impl._faults import seams_for
 from impl._flat_param import FlatLayout, align_numel_for, flatten_padded, unflatten_views, zero_padding_
 
 
@@ -38,7 +38,7 @@ class ZeroRedundancyOptimizer:
         _faults: frozenset[str] = frozenset(),
         **defaults: Any,
     ) -> None:
-        self.faults = validate_faults(frozenset(_faults))
+        seams = seams_for(frozenset(_faults))
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         self.group = process_group
@@ -61,7 +61,7 @@ class ZeroRedundancyOptimizer:
         self.local_bounds = self.layout.local_slot_bounds(self.rank)
         self.pieces = [torch.nn.Parameter(self.shard[a:b]) for a, b in self.local_bounds]
         self.whole = None
-        if "zero1_state_replicated" in self.faults:  # every rank steps every slot of the buffer
+        if seams.zero1_whole_state(False):  # every rank steps every slot of the buffer
             self.whole = self.flat.clone()
             self.pieces = [torch.nn.Parameter(self.whole[slot.offset:slot.end]) for slot in self.layout.slots]
         self.optim = optimizer_class(self.pieces, **defaults)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from impl._collectives import CommStats, group_rank_and_size
-from impl._faults import seams_for, validate_faults
+from impl._faults import Seams, seams_for
 from impl._flat_param import FlatLayout, align_numel_for
 from impl._handle import CommConfig, FlatParamHandle
 from impl._unit import FSDPUnit
@@ -133,27 +133,20 @@ def fully_shard(
             f"enclosing unit ({module.__dict__.get(_OWNED_BY_ATTR) or 'a parent'}). Apply "
             f"fully_shard to sub-modules first, then to their parent and the root."
         )
-    faults = validate_faults(frozenset(_faults))
-    seams = seams_for(faults)
+    seams = seams_for(frozenset(_faults))
     mp_policy = mp_policy or MixedPrecisionPolicy()
     if mesh is not None:
         if process_group is not None or replicate_group is not None:
             raise ValueError("fully_shard: pass either mesh or process_group/replicate_group, not both")
-        process_group, replicate_group = _groups_from_mesh(mesh)
-        if "mesh_dims_swapped" in faults and replicate_group is not None:
-            process_group, replicate_group = replicate_group, process_group
+        process_group, replicate_group = seams.mesh_groups(_groups_from_mesh(mesh), True)
     elif process_group is None and dist.is_available() and dist.is_initialized():
         process_group = dist.group.WORLD
     process_group, replicate_group = _drop_trivial(process_group), _drop_trivial(replicate_group)
     shard_rank, shard_world_size = group_rank_and_size(process_group)
     _, replicate_world_size = group_rank_and_size(replicate_group)
 
-    owners, params = _collect_params(module, faults)
-    if "buffers_zeroed_at_wrap" in faults:
-        with torch.no_grad():
-            for _, sub in _unwrapped_modules(module):
-                for b in sub.buffers(recurse=False):
-                    b.zero_()
+    owners, params = _collect_params(module, seams)
+    seams.wrapped_buffers(module)
     comm = CommConfig(
         shard_group=process_group,
         replicate_group=replicate_group,
@@ -162,7 +155,6 @@ def fully_shard(
         replicate_world_size=replicate_world_size,
         param_dtype=mp_policy.param_dtype,
         reduce_dtype=mp_policy.reduce_dtype,
-        faults=faults,
         stats=comm_stats,
         compute_device=None if offload_policy is None else torch.device(offload_policy.compute_device),
         seams=seams,
@@ -180,7 +172,7 @@ def fully_shard(
     unit = FSDPUnit(
         module,
         handles,
-        reshard_after_forward=reshard_after_forward or "reshard_after_forward_ignored" in faults,
+        reshard_after_forward=seams.reshard_after_forward(reshard_after_forward),
         cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
     )
     module.__dict__["_fsdp_unit"] = unit
@@ -201,7 +193,7 @@ def fully_shard(
 
 
 def _collect_params(
-    module: nn.Module, faults: frozenset[str]
+    module: nn.Module, seams: Seams
 ) -> tuple[list[list[tuple[nn.Module, str, str]]], list[nn.Parameter]]:
     """Parameters `module` owns (skipping wrapped sub-modules), deduplicated, with every name."""
     params: list[nn.Parameter] = []
@@ -220,7 +212,7 @@ def _collect_params(
                 f"fully_shard({type(module).__name__}): parameter '{fqn}' has dtype {param.dtype}; "
                 f"only floating-point parameters can be sharded. Fix: make it a buffer."
             )
-        if id(param) in index_of and "tied_param_duplicated" not in faults:
+        if id(param) in index_of and seams.shares_tied(True):
             owners[index_of[id(param)]].append((sub, name, fqn))
             continue
         index_of[id(param)] = len(params)

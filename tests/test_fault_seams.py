@@ -1,0 +1,60 @@
+"""impl/'s planted faults as hook objects at named seams ([Note: Fault seams] in impl/_faults.py):
+no code path of impl/ asks for a fault by name, an honest unit's hooks return what they are given,
+every fault overrides at least one hook, and several faults in one unit each act."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from impl._faults import FAULTS, SEAMS, Seams, seams_for
+
+IMPL = Path(__file__).resolve().parent.parent / "impl"
+HOOKS = [n for n, v in vars(Seams).items() if callable(v) and not n.startswith("_")]
+
+
+def test_no_code_of_impl_names_a_fault():
+    named = {}
+    for path in IMPL.glob("*.py"):
+        if path.name == "_faults.py":
+            continue
+        text = path.read_text()
+        hits = [name for name in FAULTS if re.search(rf"['\"]{re.escape(name)}['\"]", text)]
+        if hits:
+            named[path.name] = hits
+    assert named == {}, named
+
+
+def test_every_fault_overrides_a_hook_and_the_honest_hooks_change_nothing():
+    for name in FAULTS:
+        seam = seams_for(frozenset({name}))
+        assert seam.planted and any(getattr(type(seam), h) is not getattr(Seams, h) for h in HOOKS), name
+    honest = seams_for(frozenset())
+    assert type(honest) is Seams and not honest.planted
+    t = torch.arange(4.0)
+    for hook, args in {"mesh_groups": (("a", "b"), True), "shares_tied": (True,), "reshard_after_forward": (False,),
+                       "init_padding_value": (0.0,), "gathered": (t, 2), "regathers_for_backward": (True,),
+                       "gradient_sync": (False,), "used_slots": ([True, False],), "reduce_at_last_gradient": (False,),
+                       "before_reduce": (t, 3), "average_divisor": (3,), "averaged": (t, None, None),
+                       "gradient_padding_value": (0.0,), "accumulates": (True,), "zero1_whole_state": (False,),
+                       "gathered_blocks": (t,), "clip_norm_group": ("g",), "clip_times": (1,),
+                       "cast_for_gather": (t, t), "wrapped_buffers": (torch.nn.Linear(1, 1),)}.items():
+        assert getattr(honest, hook)(*args) is args[0], hook
+    assert honest.shard_bounds((0, 2), t) == ((0, 2), t)
+    assert set(HOOKS) - {"shard_bounds"} <= {"mesh_groups", "shares_tied", "reshard_after_forward", "init_padding_value",
+                                             "gathered", "regathers_for_backward", "gradient_sync", "used_slots",
+                                             "reduce_at_last_gradient", "before_reduce", "average_divisor", "averaged",
+                                             "gradient_padding_value", "accumulates", "zero1_whole_state",
+                                             "gathered_blocks", "clip_norm_group", "clip_times", "cast_for_gather",
+                                             "wrapped_buffers"}, "a new hook needs its honest identity checked here"
+
+
+def test_several_faults_in_one_unit_each_act():
+    both = seams_for(frozenset({"clip_twice", "no_grad_average", "grad_scale_1e-5"}))
+    assert (both.clip_times(1), both.average_divisor(4)) == (2, 1)
+    g = torch.ones(3)
+    both.averaged(g, None, None)
+    assert torch.equal(g, torch.full((3,), 1 + 1e-5))
+    assert SEAMS.keys() == FAULTS.keys()
