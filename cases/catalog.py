@@ -26,7 +26,7 @@ _STANDARD_OPTIMIZERS = (
 #   layers.2: 2*17 + 2 = 36 (uneven at W = 8), layers.3: 1*2 + 1 = 3 (< W: empty local shards).
 _MLP_SIZES = (13, 31, 17, 2, 1)
 _LM_CONFIG = TransformerConfig()
-# The standard and feature cases run at any world size up to 8; the default runs take 1, 2, 4 (8).
+# Every catalog case runs at any world size up to 8; the default runs take 1, 2, 4 (8).
 _ANY_WORLD_SIZE = tuple(range(1, 9))
 # The standard matrix and the gate run 10 steps: a bug that waits for step 6 (a buffer captured
 # after a warm-up) acts in five of them. Measured with `python -m harness run --steps S` on this
@@ -185,7 +185,8 @@ CASES.update({case.name: case for case in _FEATURE_CASES})
 def _hf_case(name: str, description: str, build, wrap=arch.decoder_blocks, make_batch=arch.causal_lm_batch,
              loss_fn=arch.causal_lm_loss) -> Case:
     return Case(name=name, description=description, build_model=build, wrap=wrap, make_batch=make_batch,
-                loss_fn=loss_fn, optimizers=_STANDARD_OPTIMIZERS, tags=("architecture",), requires=("transformers",))
+                loss_fn=loss_fn, optimizers=_STANDARD_OPTIMIZERS, tags=("architecture",), requires=("transformers",),
+                world_sizes=_ANY_WORLD_SIZE)
 
 
 _BATCHNORM_SPLIT = (
@@ -214,12 +215,12 @@ _ARCHITECTURE_CASES = (
     Case(name="unused_head", description="an auxiliary head in each wrapped unit and a root vector that the "
          "loss never reaches: parameters without gradients beside ones with", build_model=arch.UnusedHeadNet,
          wrap=("blocks.0", "blocks.1"), make_batch=regression_batch(13, 3), loss_fn=F.mse_loss,
-         optimizers=_STANDARD_OPTIMIZERS, tags=("architecture",)),
+         optimizers=_STANDARD_OPTIMIZERS, tags=("architecture",), world_sizes=_ANY_WORLD_SIZE),
     Case(name="batchnorm", description="ConvNet with BatchNorm2d (batch statistics, running buffers); "
          "identical data only: " + _BATCHNORM_SPLIT.split(", so")[0], build_model=arch.SmallConvNet,
          wrap=("block1", "block2"), make_batch=image_batch(3, 6, 5), loss_fn=F.cross_entropy,
          optimizers=_STANDARD_OPTIMIZERS, data_modes=("identical",), refused_modes=(("split", _BATCHNORM_SPLIT),),
-         tags=("architecture",)),
+         tags=("architecture",), world_sizes=_ANY_WORLD_SIZE),
 )
 CASES.update({case.name: case for case in _ARCHITECTURE_CASES})
 LAYER_CLASSES = {"Block": Block}

@@ -115,7 +115,7 @@ class Seams:
         return cast
 
     def gathered(self, out, shard_world_size: int):
-        """The unsharded buffer just all-gathered, in place."""
+        """The unsharded buffer just all-gathered from `shard_world_size` > 1 shards, in place."""
         return out
 
     def regathers_for_backward(self, regather: bool) -> bool:
@@ -202,9 +202,7 @@ class _AllGatherRankOrder(_Planted):
     def gathered(self, out, shard_world_size: int):
         import torch
 
-        if shard_world_size > 1:
-            out.copy_(torch.cat(list(reversed(out.chunk(shard_world_size)))))
-        return out
+        return out.copy_(torch.cat(list(reversed(out.chunk(shard_world_size)))))
 
 
 class _LastRank(_Planted):

@@ -345,7 +345,8 @@ class FlatParamHandle:
         if work is not None:
             work.wait()
         self._pending = None
-        self.comm.seams.gathered(self._leaf.data, self.comm.shard_world_size)
+        if self.comm.shard_world_size > 1:
+            self.comm.seams.gathered(self._leaf.data, self.comm.shard_world_size)
         self.state = HandleState.UNSHARDED
 
     def use_views(self) -> None:

@@ -94,7 +94,7 @@ def test_every_world_size_in_one_launch_is_bitwise_a_launch_of_its_own(tmp_path)
 @pytest.mark.slow
 def test_a_world_size_that_hangs_ends_alone_and_the_larger_one_still_runs(tmp_path):
     out = tmp_path / "out"
-    timeout = 90  # per world size; the first one's includes the launch's start-up
+    timeout = 60  # per world size; the first one's includes the launch's start-up (as in test_harness_runs)
     rc, output = _harness(["run", "--cases", "mlp", "--impls", f"{PLUGINS}:HangOnRank1AtWorldSize2",
                            "--world-sizes", "2,4", "--data", "identical", "--steps", "1",
                            "--timeout", str(timeout), "--out", str(out)], timeout=900)
