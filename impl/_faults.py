@@ -89,9 +89,9 @@ class Seams:
         """(shard group, replicate group) read from the unit's mesh."""
         return groups
 
-    def wrapped_buffers(self, module):
-        """The module whose own (unwrapped) buffers fully_shard just took over, after wrapping."""
-        return module
+    def wrapped_buffers(self, buffers: list):
+        """The buffers of the modules fully_shard just wrapped (not those of wrapped sub-units)."""
+        return buffers
 
     def shares_tied(self, shared: bool) -> bool:
         """Whether a parameter reached under a second name shares the first name's slot."""
@@ -286,16 +286,13 @@ class _GradNanOneElement(_LastRank):
 
 
 class _BuffersZeroedAtWrap(_Planted):
-    def wrapped_buffers(self, module):
+    def wrapped_buffers(self, buffers: list):
         import torch
 
-        from impl.api import _unwrapped_modules
-
         with torch.no_grad():
-            for _, sub in _unwrapped_modules(module):
-                for b in sub.buffers(recurse=False):
-                    b.zero_()
-        return module
+            for b in buffers:
+                b.zero_()
+        return buffers
 
 
 class _StepUnusedParams(_Planted):

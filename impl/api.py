@@ -146,7 +146,7 @@ def fully_shard(
     _, replicate_world_size = group_rank_and_size(replicate_group)
 
     owners, params = _collect_params(module, seams)
-    seams.wrapped_buffers(module)
+    seams.wrapped_buffers([b for _, sub in _unwrapped_modules(module) for b in sub.buffers(recurse=False)])
     comm = CommConfig(
         shard_group=process_group,
         replicate_group=replicate_group,
