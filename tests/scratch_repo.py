@@ -72,7 +72,7 @@ def commit_all(repo: Path, message: str) -> str:
 
 def drop_grad_average(repo: Path) -> None:
     """The planted bug: the reduce-scattered gradient is never divided by the data-parallel size."""
-    edit(repo / "impl" / "_handle.py", r"^(\s*)\S+\.div_\(c\.data_parallel_size\)$", r"\1pass")
+    edit(repo / "impl" / "_handle.py", r"^(\s*)sharded_grad\.div_\(divisor\)$", r"\1pass")
 
 
 def scale_first_layer_init(repo: Path, factor: float = 1.5) -> None:

@@ -30,6 +30,7 @@ def scheduled_run(tmp_path_factory):
     return {r.cell.cell_id: r for r in cells}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["ours", "fsdp2"])
 def test_groups_and_a_schedule_pass_and_a_scheduler_stepped_twice_fails(scheduled_run, impl):
     assert str(scheduled_run[f"lr_schedule.{impl}.w2.split"].verdict) == "pass"

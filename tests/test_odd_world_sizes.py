@@ -17,6 +17,7 @@ from harness.run.orchestrate import run_plan
 from harness.run.plan import build_plan
 
 FAULT = "grad_predivide_param_dtype"
+pytestmark = pytest.mark.slow  # the extended tier: a launch at W = 2 and 3 (about 20 s)
 
 
 @pytest.fixture(scope="module")
