@@ -80,21 +80,7 @@ def validate_case(case: Case, spec: str) -> None:
         case.wrap_paths(model)
     except Exception as e:
         raise ValueError(f"{where}: wrap: {_one_line(e)}") from None
-    try:
-        batch = case.make_batch(case.seed, 1, case.global_batch)
-    except Exception as e:
-        raise ValueError(f"{where}: make_batch(seed, 1, {case.global_batch}) raised {type(e).__name__}: {e}") from None
-    if not (isinstance(batch, tuple) and len(batch) == 2):
-        raise ValueError(f"{where}: make_batch must return a pair (inputs, targets) of tensors or pytrees of "
-                         f"tensors, got {type(batch).__name__}")
-    tensors = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    if not tensors:
-        raise ValueError(f"{where}: make_batch returned no tensor; (inputs, targets) must hold the batch's tensors")
-    for t in tensors:
-        if t.dim() == 0 or t.size(0) != case.global_batch:
-            raise ValueError(f"{where}: a batch tensor has shape {tuple(t.shape)}; dim 0 must be the batch "
-                             f"(global_batch={case.global_batch}) so that split data can divide it")
-    inputs, targets = batch
+    inputs, targets = check_batch(case, where)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
 
     def forward_loss():
@@ -138,6 +124,25 @@ def validate_case(case: Case, spec: str) -> None:
         if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise ValueError(f"{where}: optimizer {opt.kind} lr_scheduler returned a {type(scheduler).__name__}, "
                              f"not a torch.optim.lr_scheduler.LRScheduler")
+
+
+def check_batch(case: Case, where: str) -> tuple:
+    """Step 1's (inputs, targets) of `case`, every tensor of them with the global batch along dim 0."""
+    try:
+        batch = case.make_batch(case.seed, 1, case.global_batch)
+    except Exception as e:
+        raise ValueError(f"{where}: make_batch(seed, 1, {case.global_batch}) raised {type(e).__name__}: {e}") from None
+    if not (isinstance(batch, tuple) and len(batch) == 2):
+        raise ValueError(f"{where}: make_batch must return a pair (inputs, targets) of tensors or pytrees of "
+                         f"tensors, got {type(batch).__name__}")
+    tensors = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise ValueError(f"{where}: make_batch returned no tensor; (inputs, targets) must hold the batch's tensors")
+    for t in tensors:
+        if t.dim() == 0 or t.size(0) != case.global_batch:
+            raise ValueError(f"{where}: a batch tensor has shape {tuple(t.shape)}; dim 0 must be the batch "
+                             f"(global_batch={case.global_batch}) so that split data can divide it")
+    return batch
 
 
 def _check_buffers_keep_their_shape(where: str, built: dict[str, torch.Tensor],

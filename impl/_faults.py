@@ -180,14 +180,9 @@ class _Planted(Seams):
     planted = True
 
 
-class _NoGradAverage(_Planted):
-    def average_divisor(self, divisor: int) -> int:
-        return 1
-
-
-class _PaddingGarbageAtInit(_Planted):
-    def init_padding_value(self, value: float) -> float:
-        return 1.0
+def _answering(hook: str, value) -> Callable[[], Seams]:
+    """A fault whose one act is to answer `hook` with `value`, whatever the honest answer."""
+    return type(f"_Answering_{hook}", (_Planted,), {hook: lambda self, honest, *context: value})
 
 
 class _ShardOffsetOffByOne(_Planted):
@@ -216,26 +211,6 @@ class _LastRank(_Planted):
 class _DropLastRankGrad(_LastRank):
     def averaged(self, sharded_grad, handle, comm):
         return sharded_grad.zero_() if self.on_last_rank(comm) else sharded_grad
-
-
-class _GradPaddingGarbage(_Planted):
-    def gradient_padding_value(self, value: float) -> float:
-        return 1.0
-
-
-class _NoRegatherBeforeBackward(_Planted):
-    def regathers_for_backward(self, regather: bool) -> bool:
-        return False
-
-
-class _TiedParamDuplicated(_Planted):
-    def shares_tied(self, shared: bool) -> bool:
-        return False
-
-
-class _GradAccumOverwrite(_Planted):
-    def accumulates(self, accumulate: bool) -> bool:
-        return False
 
 
 class _ScaleGrad(_Planted):
@@ -317,30 +292,10 @@ class _ClipNormWorldGroup(_Planted):
         return dist.group.WORLD if dist.is_initialized() else shard_group  # every rank of the world
 
 
-class _GradSyncEveryMicro(_Planted):
-    def gradient_sync(self, requested: bool) -> bool:
-        return True
-
-
-class _ReshardAfterForwardIgnored(_Planted):
-    def reshard_after_forward(self, configured: bool) -> bool:
-        return True
-
-
-class _Zero1StateReplicated(_Planted):
-    def zero1_whole_state(self, whole: bool) -> bool:
-        return True
-
-
 class _MeshDimsSwapped(_Planted):
     def mesh_groups(self, groups: tuple, has_mesh: bool) -> tuple:
         shard, replicate = groups
         return (replicate, shard) if has_mesh and replicate is not None else groups
-
-
-class _ReduceAtLastGradient(_Planted):
-    def reduce_at_last_gradient(self, at_last: bool) -> bool:
-        return True
 
 
 class _PredivideInParamDtype(_Planted):
@@ -361,15 +316,15 @@ class _ScaleFromStep6(_Planted):
 
 
 SEAMS: dict[str, Callable[[], Seams]] = {
-    "no_grad_average": _NoGradAverage,
-    "padding_garbage_at_init": _PaddingGarbageAtInit,
+    "no_grad_average": _answering("average_divisor", 1),
+    "padding_garbage_at_init": _answering("init_padding_value", 1.0),
     "shard_offset_off_by_one": _ShardOffsetOffByOne,
     "all_gather_rank_order": _AllGatherRankOrder,
     "drop_last_rank_grad": _DropLastRankGrad,
-    "grad_padding_garbage": _GradPaddingGarbage,
-    "no_regather_before_backward": _NoRegatherBeforeBackward,
-    "tied_param_duplicated": _TiedParamDuplicated,
-    "grad_accum_overwrite": _GradAccumOverwrite,
+    "grad_padding_garbage": _answering("gradient_padding_value", 1.0),
+    "no_regather_before_backward": _answering("regathers_for_backward", False),
+    "tied_param_duplicated": _answering("shares_tied", False),
+    "grad_accum_overwrite": _answering("accumulates", False),
     "grad_scale_1e-5": lambda: _ScaleGrad(1e-5),
     "grad_scale_1e-6": lambda: _ScaleGrad(1e-6),
     "grad_scale_1e-7": lambda: _ScaleGrad(1e-7),
@@ -382,13 +337,13 @@ SEAMS: dict[str, Callable[[], Seams]] = {
     "state_gather_rank_order": _StateGatherRankOrder,
     "clip_twice": _ClipTwice,
     "clip_norm_world_group": _ClipNormWorldGroup,
-    "grad_sync_every_micro": _GradSyncEveryMicro,
-    "reshard_after_forward_ignored": _ReshardAfterForwardIgnored,
-    "zero1_state_replicated": _Zero1StateReplicated,
+    "grad_sync_every_micro": _answering("gradient_sync", True),
+    "reshard_after_forward_ignored": _answering("reshard_after_forward", True),
+    "zero1_state_replicated": _answering("zero1_whole_state", True),
     "mesh_dims_swapped": _MeshDimsSwapped,
     "grad_predivide_param_dtype": _PredivideInParamDtype,
     "grad_scale_from_step_6": _ScaleFromStep6,
-    "reduce_at_last_gradient": _ReduceAtLastGradient,
+    "reduce_at_last_gradient": _answering("reduce_at_last_gradient", True),
 }
 assert SEAMS.keys() == FAULTS.keys(), sorted(SEAMS.keys() ^ FAULTS.keys())
 

@@ -241,5 +241,5 @@ def test_a_case_whose_batch_cannot_grow_is_refused(tmp_path):
         "    def eight(seed, step, global_batch):\n"
         "        return base.make_batch(seed, step, 8)\n"
         "    return dataclasses.replace(base, name='fixed_batch', make_batch=eight)\n")
-    with pytest.raises(PlanError, match="gave batches of dim-0 sizes \\['8'\\], not 24"):
+    with pytest.raises(PlanError, match="shape \\(8, 13\\); dim 0 must be the batch \\(global_batch=24\\)"):
         build_plan(cases=(f"{fixed}:make_case",), impls=("ours",), world_sizes=(1, 3), out_dir=tmp_path)

@@ -284,11 +284,6 @@ def build_plan(
                     why = dict(case.refused_modes).get(mode)
                     raise PlanError(f"case={case_name} refuses data mode {mode!r}: {why}" if why else
                                     f"case={case_name} has no data mode {mode!r}; its modes: {list(case.data_modes)}")
-                if mode == "split" and case.global_batch % w:
-                    raise PlanError(
-                        f"case={case_name}: global_batch={case.global_batch} does not divide by "
-                        f"world_size={w} in split mode"
-                    )
             for mode in modes:
                 for impl in impls:
                     cell = Cell(case_name, impl, w, mode, steps or case.steps,
@@ -339,6 +334,8 @@ def _split_batches(cases: tuple[str, ...], world_sizes: tuple[int, ...], data_mo
     the run (times its micro-batches) does not divide runs, reference included, on the least
     multiple of that batch they all divide (cases/catalog.py with_global_batch), so that
     --world-sizes 3,5,6,7 split every case evenly. Returns the names and a note per enlarged batch."""
+    from cases.user import check_batch  # imports torch; kept out of plain Cell use
+
     names, notes = [], []
     for name in cases:
         case = get_case(name)
@@ -349,29 +346,15 @@ def _split_batches(cases: tuple[str, ...], world_sizes: tuple[int, ...], data_mo
         batch = math.lcm(case.global_batch, *(w * per for w in world_sizes if w in case.world_sizes))
         if batch != case.global_batch:
             name = with_global_batch(name, batch)
-            _check_batch_size(name, batch)
+            try:
+                check_batch(get_case(name), f"case {name}")  # make_batch honours the batch asked for
+            except ValueError as e:
+                raise PlanError(f"{e}; give the case a global_batch every split world size divides") from None
             notes.append(f"case={case.name}: global batch {case.global_batch} -> {batch} (runs as {name}) so that "
                          f"split data divides evenly over world sizes {list(world_sizes)}"
                          + (f" x grad_accum={per}" if per > 1 else ""))
         names.append(name)
     return tuple(names), tuple(notes)
-
-
-def _check_batch_size(name: str, batch: int) -> None:
-    """The case's make_batch gives `batch` samples when asked for them (dim 0 of every tensor)."""
-    import torch
-
-    case = get_case(name)
-    try:
-        made = case.make_batch(case.seed, 1, batch)
-    except Exception as e:
-        raise PlanError(f"case={name}: make_batch(seed, 1, {batch}) raised {type(e).__name__}: {_one_line(e)}; "
-                        f"give the case a global_batch every split world size divides") from None
-    sizes = {t.shape[0] if t.dim() else None for t in torch.utils._pytree.tree_leaves(made)
-             if isinstance(t, torch.Tensor)}
-    if sizes != {batch}:
-        raise PlanError(f"case={name}: make_batch(seed, 1, {batch}) gave batches of dim-0 sizes {sorted(map(str, sizes))}, "
-                        f"not {batch}; give the case a global_batch every split world size divides")
 
 
 def _check_cases(cases: tuple[str, ...], adapters: dict, world_sizes: tuple[int, ...],
