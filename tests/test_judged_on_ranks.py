@@ -61,8 +61,9 @@ def test_every_verdict_margin_and_violation_is_the_parents(both):
 
 def test_a_reference_whose_team_shares_its_perturbed_runs_is_judged_as_the_parent_judges_it(tmp_path_factory):
     """The smallest world size 2: the reference cell runs in a team of two, whose rank 1 steps the
-    second perturbed run (and its own lock-step reference) beside rank 0; the merged envelope, hence
-    every trajectory margin, is the parent's bit for bit."""
+    perturbed runs beside rank 0, around the reference parameters rank 0 sends it each step
+    (harness/run/worker.py ReferenceFeed); the envelope, hence every trajectory margin, is the
+    parent's bit for bit."""
     tmp = tmp_path_factory.mktemp("judged_shared_envelope")
     args = dict(cases=("mlp",), world_sizes=(2,), steps=3, fault_copies=("grad_scale_1e-6",))
     (_, parent, _), (_, ranks, _) = _run(tmp, "parent", **args), _run(tmp, "ranks", **args)

@@ -461,7 +461,7 @@ class Shadow:
         with torch.no_grad():
             for name, p in self.params.items():
                 p.copy_(params_before[name])
-        _, grads, _, _ = self._terms(batch, "identical", 1, self.num_micro, reorder=False)
+        _, grads, _, _ = self._terms(batch, "identical", 1, self.num_micro, reorder=False, absolute=False)
         for name, g in grads.items():
             if name in noise:
                 grads[name] = g - noise[name].to(g.device) if subtract else g + noise[name].to(g.device)
@@ -503,7 +503,7 @@ class Shadow:
             for name, p in self.params.items():
                 p.copy_(params_before[name])
         self._reorder_seed += 1
-        _, grads, _, reordered = self._terms(batch, "identical", 1, self.num_micro)
+        _, grads, _, reordered = self._terms(batch, "identical", 1, self.num_micro, absolute=False)
         buffers = {n: b.detach().clone() for n, b in self.buffers.items()}
         try:
             return self._amplitude(grads, batch, reordered)
@@ -512,26 +512,11 @@ class Shadow:
 
     def _amplitude(self, grads: dict[str, torch.Tensor], batch: Batch,
                    reordered: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """(bound of the per-sample reduction + the largest local-shape difference) + the reordering
+        allowance, per gradient. Consumes `grads` and `reordered`; every intermediate is folded
+        into one float64 tensor per gradient as soon as it is measured, so the passes hold about
+        four model-sized float64 dicts at a time, not six."""
         num_samples = batch_size(batch)
-        local_shape: dict[str, torch.Tensor] = {}  # made per gradient where a split is measured
-        if "split" in self.case.data_modes:
-            _, per_sample_mean, per_sample_abs, _ = self._terms(batch, "split", num_samples, 1, reorder=False)
-            # The local computation on each batch size a cell of this case runs (B / W samples per
-            # rank, in M micro-batches) differs from the whole batch's in its own bits: the noise
-            # covers each, so a cell's step-1 deviation is never larger than the noise's amplitude.
-            for w in sorted(set(self.case.world_sizes) - {1}):
-                if num_samples % (w * self.num_micro) == 0 and w * self.num_micro < num_samples:
-                    _, split_mean, _, _ = self._terms(batch, "split", w, self.num_micro, reorder=False, absolute=False)
-                    for n, g in grads.items():
-                        if n in split_mean:
-                            split = (g - split_mean.pop(n)).abs()  # >= 0: the max with no earlier one is itself
-                            local_shape[n] = split if n not in local_shape else torch.maximum(local_shape[n], split)
-                    del split_mean
-        else:
-            # Identical data only (a model coupling its samples, as BatchNorm does, where a sample
-            # alone is no term of the batch's gradient): every rank computes the whole batch, so
-            # the honest error is the reduction of equal terms, bounded as B of them.
-            per_sample_mean, per_sample_abs = grads, {n: g.abs() for n, g in grads.items()}
         features = self.case.features
         precision = ReductionModel.for_cell(1, self.num_micro, features.compute_dtype,
                                             DTYPES[features.reduce_dtype] if features.reduce_dtype else None)
@@ -539,15 +524,36 @@ class Shadow:
         # ranks, so beyond the reduction their gradients differ by the compute dtype's rounding.
         u = max(precision.u, unit_roundoff(features.compute_dtype))
         model = ReductionModel(num_samples, u, precision.casts, max(precision.eta, underflow_error(features.compute_dtype)))
+        bound: dict[str, torch.Tensor] = {}
+        shape: dict[str, torch.Tensor] = {}  # the largest |whole-batch gradient - a split's mean| so far
+        if "split" in self.case.data_modes:
+            _, per_sample_mean, per_sample_abs, _ = self._terms(batch, "split", num_samples, 1, reorder=False)
+            for name, g in grads.items():
+                bound[name] = model.grad_bound(per_sample_abs.pop(name))
+                # A sample's gradient is itself a sum over its rows (a sequence's tokens), which a
+                # batched backward sums in another order than a per-sample one; where those rows
+                # cancel (an attention key bias, whose exact gradient is zero) this difference
+                # dwarfs the reduction bound of the per-sample terms.
+                shape[name] = (g - per_sample_mean.pop(name)).abs()
+            # The local computation on each batch size a cell of this case runs (B / W samples per
+            # rank, in M micro-batches) differs from the whole batch's in its own bits: the noise
+            # covers each, so a cell's step-1 deviation is never larger than the noise's amplitude.
+            for w in sorted(set(self.case.world_sizes) - {1}):
+                if num_samples % (w * self.num_micro) == 0 and w * self.num_micro < num_samples:
+                    _, split_mean, _, _ = self._terms(batch, "split", w, self.num_micro, reorder=False, absolute=False)
+                    for n, g in grads.items():
+                        if n in split_mean:  # the max is exact: its order is free
+                            shape[n] = torch.maximum((g - split_mean.pop(n)).abs(), shape[n])
+                    del split_mean
+        else:
+            # Identical data only (a model coupling its samples, as BatchNorm does, where a sample
+            # alone is no term of the batch's gradient): every rank computes the whole batch, so
+            # the honest error is the reduction of equal terms, bounded as B of them.
+            for name, g in grads.items():
+                bound[name] = model.grad_bound(g.abs())
+                shape[name] = (g - g).abs()  # the whole batch is its own mean (NaN where g is not finite)
         amplitudes = {}
-        for name, g in grads.items():
-            # A sample's gradient is itself a sum over its rows (a sequence's tokens), which a
-            # batched backward sums in another order than a per-sample one; where those rows cancel
-            # (an attention key bias, whose exact gradient is zero) this difference dwarfs the
-            # reduction bound of the per-sample terms.
-            shape = (g - per_sample_mean[name]).abs()
-            if name in local_shape:
-                shape = torch.maximum(local_shape.pop(name), shape)
-            amplitudes[name] = (model.grad_bound(per_sample_abs[name]) + shape + reordered.get(name, 0)).cpu()
-            del shape
+        for name in list(grads):
+            del grads[name]
+            amplitudes[name] = (bound.pop(name) + shape.pop(name) + reordered.pop(name, 0)).cpu()
         return amplitudes

@@ -7,6 +7,7 @@ path; it prints one JSON value as its last line."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -22,22 +23,39 @@ class ChildFailed(Exception):
     """The child did not produce its value: why, in one line."""
 
 
-def run_child(code: str, *args: str) -> object:
-    """The JSON value the child `python -c code args...` prints last; ChildFailed otherwise."""
+def _child_env() -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])  # where this harness is imported from
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+
+
+def start_child(code: str, *args: str) -> subprocess.Popen:
+    """The child `python -c code args...`, started; `child_value` waits for what it prints."""
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_child_env())
+
+
+def child_value(proc: subprocess.Popen) -> object:
+    """The JSON value a started child prints last; ChildFailed otherwise."""
     try:
-        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                              timeout=CHILD_TIMEOUT_S, env=env)
+        stdout, stderr = proc.communicate(timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         raise ChildFailed(f"its child process ran past {CHILD_TIMEOUT_S} s") from None
-    except OSError as e:
-        raise ChildFailed(f"its child process did not start: {e}") from None
-    lines = proc.stdout.strip().splitlines()
+    lines = stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        last = (stderr.strip().splitlines() or ["(no output)"])[-1]
         raise ChildFailed(f"its child process exited {proc.returncode}: {last}")
     return json.loads(lines[-1])
+
+
+def run_child(code: str, *args: str) -> object:
+    """The JSON value the child `python -c code args...` prints last; ChildFailed otherwise."""
+    try:
+        proc = start_child(code, *args)
+    except OSError as e:
+        raise ChildFailed(f"its child process did not start: {e}") from None
+    return child_value(proc)
 
 
 _CHECKS = ("import json, sys\n"
@@ -55,13 +73,49 @@ _CHECKS = ("import json, sys\n"
            "print(json.dumps([mistake, measured]))\n")
 
 
+# Children started ahead of their question (`start_child_checks`), by their arguments.
+_started: dict[tuple, subprocess.Popen] = {}
+
+
+def start_child_checks(spec: str, validate: bool, splits: tuple[tuple[int, int], ...]) -> None:
+    """Start the child of `child_checks(spec, validate, splits)` now, so that it works while this
+    process does something else (the plan sizes the model meanwhile); `child_checks` waits for
+    it, `discard_child_checks` ends it unasked. Nothing where it cannot start (`child_checks`
+    says why, when asked)."""
+    key = (spec, validate, splits)
+    if not _started:
+        atexit.register(_end_started)  # a plan refused meanwhile leaves no child working
+    if key not in _started:
+        try:
+            _started[key] = start_child(_CHECKS, spec, "1" if validate else "0", json.dumps([list(s) for s in splits]))
+        except OSError:
+            pass
+
+
+def _end_started() -> None:
+    for key in list(_started):
+        discard_child_checks(*key)
+
+
+def discard_child_checks(spec: str, validate: bool, splits: tuple[tuple[int, int], ...]) -> None:
+    """End the child `start_child_checks` started with these arguments, if it is not needed."""
+    proc = _started.pop((spec, validate, splits), None)
+    if proc is not None:
+        proc.kill()
+        proc.communicate()
+
+
 @functools.lru_cache(maxsize=None)
 def child_checks(spec: str, validate: bool, splits: tuple[tuple[int, int], ...]) -> tuple[str | None, list]:
     """In one child process: cases/user.py `validate_case` of the case `spec` (when `validate`),
     then, if it found no mistake, harness/run/batch_makeup.py `relative_difference` of each
     (world size, micro-batches) of `splits`. Returns (the mistake's message or None, the
     measurements); ChildFailed where the child could not say. Cached: the plan asks twice."""
-    mistake, measured = run_child(_CHECKS, spec, "1" if validate else "0", json.dumps([list(s) for s in splits]))
+    proc = _started.pop((spec, validate, splits), None)
+    if proc is None:
+        mistake, measured = run_child(_CHECKS, spec, "1" if validate else "0", json.dumps([list(s) for s in splits]))
+    else:
+        mistake, measured = child_value(proc)
     return mistake, measured
 
 

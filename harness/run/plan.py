@@ -7,6 +7,7 @@ bad request fails with one clear line and exit code 2.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -208,16 +209,20 @@ def build_plan(
             case = get_case(name)
             if ":" in name:
                 from cases.user import validate_case
-                from harness.run.isolated import validate_case_in_a_child
+                from harness.run.batch_makeup import split_key, splits_of
+                from harness.run.isolated import (discard_child_checks, start_child_checks,
+                                                  validate_case_in_a_child)
 
-                if num_parameters(name) >= JUDGE_ON_RANKS_FROM:  # the parent holds no copy of a big model
-                    from harness.run.batch_makeup import split_key, splits_of
-
-                    # One child validates and measures the batch makeup `_check_cases` will ask for.
-                    splits = () if case.missing_requirements() else split_key(
-                        splits_of(name, world_sizes, data_modes or case.data_modes))
+                # One child validates and measures the batch makeup `_check_cases` will ask for, if the
+                # model is big (the parent holds no copy of a big model): started before the parent
+                # sizes the model (a second, for a big one), ended at once where the model is small.
+                splits = () if case.missing_requirements() else split_key(
+                    splits_of(name, world_sizes, data_modes or case.data_modes))
+                start_child_checks(name, True, splits)
+                if num_parameters(name) >= JUDGE_ON_RANKS_FROM:
                     validate_case_in_a_child(name, splits)
                 else:
+                    discard_child_checks(name, True, splits)
                     validate_case(case, name)
         except ValueError as e:
             raise PlanError(str(e)) from None
@@ -323,8 +328,10 @@ JUDGE_ON = ("auto", "ranks", "parent")
 JUDGE_ON_RANKS_FROM = 1 << 20
 
 
+@functools.lru_cache(maxsize=None)
 def num_parameters(case_name: str) -> int:
-    """The case's plain model's parameter count, built on the meta device (no memory for them)."""
+    """The case's plain model's parameter count, built on the meta device (no memory for them);
+    once per case and process (the plan asks three times, and a big model's build takes a second)."""
     return sum(p.numel() for p in get_case(case_name).build_shapes().parameters())
 
 

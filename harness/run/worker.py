@@ -363,6 +363,10 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     to_compare: dict[int, tuple[dict, dict]] = {}  # on rank 1: step -> (the cell's record, the reference's)
     helper = (LockStepReference(cell, spec, init_state, init_buffers, ctx.device)
               if reference_rank and ctx.rank == reference_rank else None)
+    # A reference cell judged by a team: the ranks stepping its perturbed runs get its parameters
+    # from here, step by step, instead of training the reference again.
+    feed = (ReferenceFeed([r for r in range(1, team_size) if perturbed_seeds(r, team_size)])
+            if is_writer and judge_here and cell.is_reference and team_size > 1 else None)
     if is_writer and judge_here:
         reference = perturbed = None
         if cell.is_reference:
@@ -388,6 +392,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     # A judge that takes each step before the next is replayed reads the replay's own tensors.
     borrow = judge is not None and per_gather == 1
     for step in range(1, cell.steps + 1):
+        if feed is not None:
+            feed.wait()  # the last step's parameters received: the rank stepping the runs goes on with them
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = map_tensors(lambda t: t.to(ctx.device),
                                       local_batch(batch, cell.data_mode, ctx.rank, ctx.world_size))
@@ -403,6 +409,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
             scheduler.step()
         params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
         buffers = _pick(adapter.full_buffers(wrapped), buffer_names, "full_buffers", ctx, cell)
+        if feed is not None:
+            feed.send([params[n] for n in names])
         # Every rank's full parameters and gradients, digested: replicas must agree bitwise; and
         # every rank's buffers (before step 1 too), judged against the replay.
         replicas = replica_digests(params, grads, grad_names)
@@ -469,6 +477,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
             directory = scratch_dir / f"{cell.cell_id}.{spec.kind}.step{step}"
             wrapped, optim = adapter.reshard_checkpoint(wrapped, optim, spec, ctx, features, directory, shard_size,
                                                         wrap_paths, case.build_model)
+    if feed is not None:
+        feed.wait()
     dist_faults.check_acted(adapter, f"rank {ctx.rank}: cell {cell.cell_id}")
     if reshard_steps:
         adapter.full_state_roundtrip(wrapped, case.build_model, wrap_paths, ctx,
@@ -496,19 +506,46 @@ def perturbed_seeds(rank: int, team_size: int) -> list[int]:
             if helpers[((seed + 1) // 2 - 1) % len(helpers)] == rank]
 
 
+class ReferenceFeed:
+    """The reference cell's parameters after each step, sent from its team's rank 0 (which trains
+    it) to the team's ranks that step its perturbed runs (`perturbed_envelopes`): they need the
+    reference before and after every step, and receive it instead of training it a second time.
+    Sent without blocking the training; a step's tensors stay alive until the next step begins."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks, self.pending = ranks, []
+
+    def send(self, tensors: list[torch.Tensor]) -> None:
+        self.pending = [dist.isend(t.detach().contiguous(), dst=r) for r in self.ranks for t in tensors]
+
+    def wait(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+
+    @staticmethod
+    def receive(like: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+        """One step's parameters, shaped as `like` (the initial state's), from the team's rank 0."""
+        out = {n: torch.empty(t.shape, dtype=t.dtype, device=device) for n, t in like.items()}
+        for t in out.values():
+            dist.recv(t, src=0)
+        return out
+
+
 def perturbed_envelopes(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
                         init_buffers: dict[str, torch.Tensor], device: torch.device,
                         seeds: list[int]) -> list[dict[str, torch.Tensor]]:
     """Per step, the envelope of the perturbed runs of `seeds` around the reference (impl=single,
-    W = 1, trained here step by step: the reference cell's own steps, bit for bit), as a reference
-    cell's rank 0 computes it for its own seeds; the max of the two is the envelope of all."""
+    W = 1, trained by the team's rank 0, whose parameters after each step arrive here through its
+    ReferenceFeed), as a reference cell's rank 0 computes it for its own seeds; the max of the two
+    is the envelope of all."""
     case = get_case(cell.case)
-    reference = LockStepReference(cell, spec, init_state, init_buffers, device)
+    names = [n for n, _ in case.build_shapes().named_parameters()]
     runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers, device, borrow=True)
     envelopes, before = [], init_state
     for step in range(1, cell.steps + 1):
-        params = record_on(reference.step(step)["params"], device)
         runs_params = record_on(runs.step(step, before), device)  # the case's code: out of on_device
+        params = ReferenceFeed.receive({n: init_state[n] for n in names}, device)
         with on_device(device):
             envelope = trajectory_envelope(params, runs_params)
         envelopes.append({n: e.cpu() for n, e in envelope.items()})  # sent as bytes
