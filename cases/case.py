@@ -21,7 +21,7 @@ from cases.data import DATA_MODES, Batch
 from cases.features import PLAIN, Features
 
 OPTIMIZER_KINDS = ("sgd", "adamw")
-# The optimizers the error model covers (harness/judge/tolerance.py); any other has no bound, and a
+# The optimizers the error model covers (harness/reference/tolerance.py); any other has no bound, and a
 # loose one would be a check that cannot fail.
 SUPPORTED_OPTIMIZERS = "OptimizerSpec('sgd', ...) (torch.optim.SGD) or OptimizerSpec('adamw', ...) (torch.optim.AdamW)"
 # Hyperparameters a parameter group may override, and that the error model reads per group.

@@ -3,8 +3,10 @@
 Layout (data flows down the list; `python -m harness VERB` enters through cli.py):
     run/       plan -> launch (torchrun) -> worker (inside every rank) -> snapshot; outcome (what a
                launch left), evidence (a snapshot checked against the plan), orchestrate (the parent's loop)
-    adapters/  base (the Adapter protocol), ours, fsdp2, ddp, single, registry (`--impls` names)
-    judge/     tolerance (the error model), shadow (the unsharded replay), diff (per-step checks), verdict
+    adapters/  base (the Adapter protocol), ours, fsdp2, fsdp1, ddp, deepspeed, single, registry (`--impls`
+               names), local_step (the forward/backward every rank runs)
+    reference/ tolerance (the error model), shadow (the unsharded replay): below run/ and judge/
+    judge/     diff (per-step checks), layouts, contracts, segments, verdict
     report/    build (summary.json, csv), markdown, html, junit, environment
     ci/        gate, baseline, bisect, mutants
     fuzz/      spec, pool (persistent ranks), worker (inside them), check, main
@@ -22,4 +24,6 @@ Layout (data flows down the list; `python -m harness VERB` enters through cli.py
 4. No module imports a private name (a leading underscore) of another module, nor a private
    module of another package.
 5. impl/ imports nothing of harness/ or cases/; cases/ imports nothing of harness/ or impl/.
+6. adapters/ imports nothing else of the harness (errors aside); reference/ only adapters/: the
+   error model and the replay sit below both the rank runtime and the judge.
 """

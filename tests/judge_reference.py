@@ -13,7 +13,7 @@ from cases.catalog import Case, get_case
 from harness.judge.diff import CheckStats, DiffStats, OptimizerResult, ReferenceDiverged, _coords, compare, flat, owner_of, precision_refusal, reduction_model
 from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, CLIP_NORM, RUN_UPDATE_STATISTICS, UPDATE_STATISTICS,
                                   Violation)
-from harness.judge.tolerance import (CLIP_COEFFICIENT_ULPS, TRAJECTORY_FACTOR, OptimizerErrorState, ReductionModel,
+from harness.reference.tolerance import (CLIP_COEFFICIENT_ULPS, TRAJECTORY_FACTOR, OptimizerErrorState, ReductionModel,
                                      clip_coefficient, clip_coefficient_error, clip_norm_bound, sign_test_threshold,
                                      unit_roundoff)
 

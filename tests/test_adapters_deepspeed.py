@@ -81,7 +81,7 @@ class GroupingEngine(Adapter):
                          ids=["tensor", "tuple", "dict"])
 def test_the_engine_is_fed_each_input_kind_as_the_harness_feeds_the_plain_model(case_name, kind):
     from harness.adapters.deepspeed import DeepSpeed
-    from harness.judge.shadow import forward_backward
+    from harness.adapters.local_step import forward_backward
 
     case = get_case(case_name)
     inputs, targets = case.make_batch(case.seed, 1, case.global_batch)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness.judge.diff import _bias
-from harness.judge.tolerance import BIAS_FALSE_ALARM, ReductionModel, sign_test_threshold, unit_roundoff
+from harness.reference.tolerance import BIAS_FALSE_ALARM, ReductionModel, sign_test_threshold, unit_roundoff
 
 
 def _honest_means(terms: torch.Tensor, world_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

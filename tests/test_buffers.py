@@ -193,7 +193,7 @@ def test_the_replay_follows_a_buffer_the_forward_reassigns():
     import torch.nn.functional as F
 
     from cases.catalog import Case, OptimizerSpec
-    from harness.judge.shadow import Shadow
+    from harness.reference.shadow import Shadow
 
     class Counting(nn.Module):
         def __init__(self):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from cases.case import Case, OptimizerSpec, ParamGroup, resolve_wrap
 from cases.data import batch_size, call_model, local_batch, micro_batches
 from harness.adapters.features import floating_output
-from harness.judge.shadow import Shadow
+from harness.reference.shadow import Shadow
 
 
 class Leaf(nn.Module):

@@ -13,7 +13,7 @@ from harness.judge.diff import DiffStats, compare, owner_of, ulp_distance
 from harness.errors import PlanError
 from harness.run.plan import Cell, build_plan
 from harness.run.snapshot import FORMAT, load_snapshot, save_snapshot
-from harness.judge.tolerance import ReductionModel, unit_roundoff
+from harness.reference.tolerance import ReductionModel, unit_roundoff
 
 
 def test_ulp_distance_counts_representable_steps_across_zero():
@@ -41,7 +41,7 @@ def test_compare_reports_zero_only_when_bitwise_equal():
 
 def test_a_precision_too_low_to_judge_is_refused_not_passed():
     from harness.judge.diff import CheckStats, precision_refusal
-    from harness.judge.tolerance import MAX_MEDIAN_RELATIVE_TOLERANCE
+    from harness.reference.tolerance import MAX_MEDIAN_RELATIVE_TOLERANCE
 
     g = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     for w, dtype, refused in ((8, torch.float32, False), (8, torch.bfloat16, False), (64, torch.bfloat16, True)):

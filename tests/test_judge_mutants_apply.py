@@ -23,7 +23,7 @@ def test_every_mutant_applies_to_the_current_judge(mutant, tmp_path):
 
 
 def test_a_stale_anchor_is_refused(tmp_path):
-    stale = judge_mutants.Mutant("stale", "an anchor the judge no longer has", "harness/judge/tolerance.py",
+    stale = judge_mutants.Mutant("stale", "an anchor the judge no longer has", "harness/reference/tolerance.py",
                                  (("TRAJECTORY_FACTOR = 4.0 # not in the file", "TRAJECTORY_FACTOR = 40.0"),))
     (tmp_path / stale.path).parent.mkdir(parents=True)
     shutil.copy(REPO / stale.path, tmp_path / stale.path)

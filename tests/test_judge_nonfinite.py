@@ -89,7 +89,7 @@ def test_a_missing_step_is_an_error_not_a_shorter_pass(honest):
 def test_a_tied_parameter_counts_one_term_per_use():
     """Its gradient is a sum over uses that an implementation may associate differently across
     micro-batches (a W=2 fuzz counterexample, seed 181), so each use is a term of the bound."""
-    from harness.judge.shadow import Shadow
+    from harness.reference.shadow import Shadow
 
     spec = ModelSpec(2, 4, 1, (BlockSpec(width=2, tied=True),), OPTIMIZERS[0], accumulation=2, batch_per_rank=4,
                      sync_every_micro=False, seed=181)

@@ -1,5 +1,5 @@
 """Replay models built on the meta device ([Note: Replay models from the meta device] in
-harness/judge/shadow.py): the same modules, parameters (ties kept), buffers and bits as a real build
+harness/reference/shadow.py): the same modules, parameters (ties kept), buffers and bits as a real build
 followed by the load of the initial state; built for real wherever the meta build would leave
 anything behind or cannot know a value."""
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from cases.catalog import get_case
-from harness.judge import shadow
+from harness.reference import shadow
 from harness.run.snapshot import build_init
 
 

@@ -17,7 +17,7 @@ import torch
 from cases.case import GROUP_HYPERPARAMETERS
 from cases.catalog import OptimizerSpec, get_case
 from harness.judge.diff import check_snapshot
-from harness.judge.tolerance import OptimizerErrorState, ReductionModel, clip_coefficient_error, unit_roundoff
+from harness.reference.tolerance import OptimizerErrorState, ReductionModel, clip_coefficient_error, unit_roundoff
 
 U32 = unit_roundoff(torch.float32)
 

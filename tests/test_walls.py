@@ -27,6 +27,13 @@ RANK_SIDE = ("harness.run.worker", "harness.fuzz.worker", "harness.bench.worker"
 IMPL_IMPORTERS = ("harness.adapters.ours", "harness.bench.worker")
 # Wall 5: which package may import which.
 PACKAGE_IMPORTS = {"impl": ("impl",), "cases": ("cases",), "harness": PACKAGES}
+# Wall 6: the layers below both the rank runtime (run/) and the judge (judge/) import nothing above
+# them: the adapters (and the local step every rank runs), then the reference (the error model and
+# the unsharded replay), each only itself and what is below it.
+LAYER_IMPORTS = {
+    "harness.adapters": ("harness.adapters", "harness.errors"),
+    "harness.reference": ("harness.reference", "harness.adapters", "harness.errors"),
+}
 
 
 @dataclass(frozen=True)
@@ -137,12 +144,17 @@ def wall_violations(sources: dict[str, str]) -> list[str]:
                 out.append(f"wall 4 (no private module of another package): {where}")
             if imp.module.split(".")[0] not in PACKAGE_IMPORTS[own_package]:
                 out.append(f"wall 5 ({own_package} imports only {list(PACKAGE_IMPORTS[own_package])}): {where}")
+            for layer, allowed in LAYER_IMPORTS.items():
+                if _within(importer, (layer,)) and _within(imp.module, ("harness",)) \
+                        and not _within(imp.module, allowed):
+                    out.append(f"wall 6 ({layer} imports only {list(allowed)} of harness): {where}")
     return out
 
 
 def test_the_project_keeps_its_walls():
     sources = project_sources()
-    assert {"harness.run.worker", "harness.adapters.ours", "harness.judge.diff", "impl", "cases.catalog"} <= set(sources)
+    assert {"harness.run.worker", "harness.adapters.ours", "harness.judge.diff", "harness.reference.shadow", "impl",
+            "cases.catalog"} <= set(sources)
     violations = wall_violations(sources)
     assert not violations, "\n".join(violations)
 
@@ -174,6 +186,10 @@ PLANTED = [
     ("harness.adapters.planted", "import impl._flat_param\n", "wall 4"),
     ("cases.planted", "from harness.errors import UserError\n", "wall 5"),
     ("impl.planted", "import cases.catalog\n", "wall 5"),
+    ("harness.reference.planted", "from harness.run.plan import Cell\n", "wall 6"),
+    ("harness.reference.planted", "def f():\n    from harness.judge.diff import CellJudge\n", "wall 6"),
+    ("harness.adapters.planted", "from harness.reference.shadow import Shadow\n", "wall 6"),
+    ("harness.adapters.planted", "import harness.run.rank\n", "wall 6"),
 ]
 
 

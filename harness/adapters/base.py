@@ -217,7 +217,7 @@ class Adapter:
     def forward_backward(self, model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor,
                          num_micro: int) -> torch.Tensor:
         """One step's forward and backward over `num_micro` micro-batches; returns the local loss."""
-        from harness.judge.shadow import forward_backward
+        from harness.adapters.local_step import forward_backward
 
         before = (lambda i: self.set_gradient_sync(model, i == num_micro - 1)) if num_micro > 1 else None
         return forward_backward(model, loss_fn, inputs, targets, num_micro, before_micro=before)

@@ -116,7 +116,7 @@ def fault_cannot_act(fault: str, case_name: str) -> str | None:
 
 def _has_parameter_without_gradient(case) -> bool:
     """Whether the plain model's first step leaves a trainable parameter without a gradient."""
-    from harness.judge.shadow import forward_backward
+    from harness.adapters.local_step import forward_backward
 
     model = case.build_model()
     inputs, targets = case.make_batch(case.seed, 1, case.global_batch)
@@ -128,7 +128,7 @@ def _has_rank_dependent_gradient(case) -> bool:
     """Whether, on the first step's batch split over the gate's world sizes, one rank gives a
     trainable parameter a gradient and another does not."""
     from cases.data import local_batch
-    from harness.judge.shadow import forward_backward
+    from harness.adapters.local_step import forward_backward
 
     if "split" not in case.data_modes:
         return False

@@ -22,7 +22,7 @@ from harness.fuzz.pool import ExampleError, RankPool
 from harness.fuzz.spec import ModelSpec, as_case, init_state
 from harness.run.plan import Cell
 from harness.run.snapshot import Buffers, Snapshot, StepRecord
-from harness.judge.shadow import Shadow
+from harness.reference.shadow import Shadow
 
 
 @dataclass

@@ -38,7 +38,7 @@ from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, CLIP_NORM, GRAD_S
 from harness.judge.segments import (Failing, Segments, SignCounts, TensorOutcome, judge_segments, kept_for_signs,
                                     merge_outcomes, sign_counts, sign_counts_of_kept)
 from harness.run.snapshot import digest
-from harness.judge.tolerance import (CHUNK_ELEMENTS, CLIP_COEFFICIENT_ULPS, MAX_MEDIAN_RELATIVE_TOLERANCE,
+from harness.reference.tolerance import (CHUNK_ELEMENTS, CLIP_COEFFICIENT_ULPS, MAX_MEDIAN_RELATIVE_TOLERANCE,
                                      TRAJECTORY_FACTOR, clip_coefficient, clip_norm_bound,
                                OptimizerErrorState, ReductionModel, clip_coefficient_error, sign_test_threshold,
                                unit_roundoff)
@@ -89,7 +89,7 @@ def compare(actual: torch.Tensor, expected: torch.Tensor) -> DiffStats:
         raise ValueError(f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
     if actual.numel() == 0:
         return DiffStats(0.0, 0.0, 0, 0, 0)
-    # In chunks (CHUNK_ELEMENTS, harness/judge/tolerance.py): the maxima and counts of the whole.
+    # In chunks (CHUNK_ELEMENTS, harness/reference/tolerance.py): the maxima and counts of the whole.
     a, e = actual.reshape(-1), expected.reshape(-1)
     max_abs = max_rel = 0.0
     max_ulp = num_diff = 0
@@ -1004,7 +1004,7 @@ class CellJudge:
         if later is not None and not shadow.get("reorder") and (
                 step_bounds.reordered_from is not None
                 or any(_leaves_reduction_bound(step_bounds, *flats(piece)[1:]) for piece in pieces)):
-            shadow["reorder"] = later()  # needed: computed now (harness/judge/shadow.py Shadow.step)
+            shadow["reorder"] = later()  # needed: computed now (harness/reference/shadow.py Shadow.step)
             kept.clear()  # a piece's part of the replay holds the allowance now
         if step_bounds.reordered_from is None and shadow.get("reorder"):
             candidates = []

@@ -14,7 +14,7 @@ import enum
 import math
 from dataclasses import asdict, dataclass, field
 
-from harness.judge.tolerance import BIAS_FALSE_ALARM
+from harness.reference.tolerance import BIAS_FALSE_ALARM
 
 CHECK_ORDER = ("nonfinite", "init", "loss", "buffers", "grad", "clip", "param", "bias", "replicas", "padding",
                "contract", "trajectory")

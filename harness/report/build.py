@@ -18,7 +18,7 @@ import pandas as pd
 from harness.judge.result import CHECK_ORDER, Verdict
 from harness.report.environment import plan_environment
 from harness.run.outcome import RunOutcome
-from harness.judge.tolerance import TRAJECTORY_FACTOR
+from harness.reference.tolerance import TRAJECTORY_FACTOR
 from harness.judge.verdict import CellResult, Matrix
 
 EXACT_CHECKS = ("nonfinite", "init", "loss", "buffers", "replicas", "padding")  # tolerance 0: a violation is the failure

@@ -20,7 +20,7 @@ from harness.report.plots import loss_figure, trajectory_figure
 from harness.report.build import Report, fmt_value, error_model_rows, step_rows
 from harness.report.view import (case_views, cell_label, check_detail, check_margins, margin_class, margin_text,
                                  skipped_groups, verdict_counts, worst_judged)
-from harness.judge.tolerance import TRAJECTORY_FACTOR
+from harness.reference.tolerance import TRAJECTORY_FACTOR
 from harness.judge.verdict import CellResult
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"

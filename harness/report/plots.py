@@ -17,7 +17,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from harness.report.view import CaseView, cell_label
-from harness.judge.tolerance import TRAJECTORY_FACTOR
+from harness.reference.tolerance import TRAJECTORY_FACTOR
 from harness.judge.result import Verdict
 from harness.judge.verdict import CellResult
 

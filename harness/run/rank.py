@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from harness.adapters.base import Adapter, RankContext, takes_after_clip
-from harness.judge.shadow import forward_backward
+from harness.adapters.local_step import forward_backward
 from harness.run import dist_faults, lifeline
 from harness.run.collectives import CollectiveLedger, window
 from harness.run.snapshot import digest

@@ -39,7 +39,7 @@ from the pool's replies; `Snapshot.to_dict()` is the format above, the one the j
 On disk ([Note: Snapshot encoding]) the containers are one JSON text and the tensors a few flat
 tensors, one per dtype; `load_snapshot` rebuilds the containers above.
 
-The shadow (harness/judge/shadow.py) replays, on rank 0 with the plain model, every rank's local
+The shadow (harness/reference/shadow.py) replays, on rank 0 with the plain model, every rank's local
 forward/backward from this cell's own parameters of the previous step: the per-step reference
 of the error model (docs/error_model.md). The perturbed runs of a reference cell are its
 trajectory envelope.
@@ -87,7 +87,7 @@ class StepRecord:
     grads: dict[str, torch.Tensor]
     params: dict[str, torch.Tensor]
     buffers: Buffers
-    shadow: dict  # the replay (harness/judge/shadow.py Shadow.step)
+    shadow: dict  # the replay (harness/reference/shadow.py Shadow.step)
     shards: dict[str, torch.Tensor] = field(default_factory=dict)  # raw (W, shard_numel) rows, if any
     shard_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     padding_intervals: dict[str, list] = field(default_factory=dict)

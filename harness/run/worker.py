@@ -39,11 +39,11 @@ from harness.run.judged import RankJudge, on_device, record_on
 from harness.run.plan import REFERENCE_IMPL, Cell
 from harness.run.rank import (pick_evidence, pick_grads, rank_epilogue, rank_prologue, release_freed_memory,
                               replica_digests, train_step)
-from harness.judge.shadow import Shadow, load_nonpersistent_buffers
+from harness.reference.shadow import Shadow, load_nonpersistent_buffers
 from harness.run.snapshot import (Buffers, Snapshot, StepRecord, build_init, complete_path, decode, digest, encode,
                                   judged_path, load_init, state_digest,
                                   save_judged, save_snapshot, snapshot_path, started_path, write_atomic_text)
-from harness.judge.tolerance import NUM_PERTURBED_RUNS
+from harness.reference.tolerance import NUM_PERTURBED_RUNS
 
 
 def _pick(tensors: dict[str, torch.Tensor], names: list[str], what: str, ctx: RankContext, cell: Cell) -> dict:

@@ -5,7 +5,7 @@ The full derivation is docs/error_model.md; in short:
 1. Local computation is replayed, not bounded. Every rank runs the plain model's forward and
    backward on its local batch with the unsharded parameters (an all-gather is a copy), so its
    local loss and each micro-batch gradient are the same kernels on the same shapes as the plain
-   model on that local batch. The shadow (harness/judge/shadow.py) replays exactly those W x M local
+   model on that local batch. The shadow (harness/reference/shadow.py) replays exactly those W x M local
    computations from the cell's own parameters, so per rank the loss must be bitwise equal.
 2. The only arithmetic an honest sharded run adds is the combination of those K = W x M local
    gradient terms into one average (reduce-scatter or all-reduce, local accumulation, a division
@@ -44,7 +44,7 @@ from cases.catalog import OptimizerSpec
 TRAJECTORY_FACTOR = 4.0
 # A gradient tensor may differ from the replay's by at most this many times the largest deviation
 # of the reordered replays of its local backward ([Note: Reordered accumulation] in
-# harness/judge/shadow.py; docs/error_model.md, "Reordered accumulation").
+# harness/reference/shadow.py; docs/error_model.md, "Reordered accumulation").
 REORDER_FACTOR = 4.0
 # Ulps of the final rounding of an updated parameter an honest run may differ by. The rigorous
 # bound of two roundings, 2 u |p|, is one ulp, and an honest run reaches it exactly (the last

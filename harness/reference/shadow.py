@@ -1,8 +1,8 @@
-"""The unsharded replay of a sharded step, and the one forward/backward every rank runs.
+"""The unsharded replay of a sharded step.
 
-`forward_backward` is the local computation of one training step (micro-batches, loss
-arithmetic, sync control); the rank runtime and the shadow both call it, so the shadow replays a
-rank's local loss and gradient terms with the same operations on the same shapes.
+The replay runs a rank's local computation with the one forward/backward every rank runs
+(harness/adapters/local_step.py `forward_backward`), so it replays each rank's local loss and
+gradient terms with the same operations on the same shapes.
 
 `Shadow.step` takes the cell's own parameters of the previous step and replays, with the plain
 model, every rank's local forward/backward on that rank's local batch (W ranks x M micro-batches,
@@ -23,51 +23,12 @@ import torch
 import torch.nn as nn
 
 from cases.case import GROUP_HYPERPARAMETERS, Case, OptimizerSpec
-from cases.data import Batch, batch_size, call_model, local_batch, map_tensors, micro_batches
+from cases.data import Batch, batch_size, local_batch, map_tensors
 from cases.features import DTYPES
-from harness.adapters.features import CastCompute, floating_output
-from harness.judge.tolerance import (REORDER_FACTOR, ReductionModel, clip_coefficient, underflow_error,
+from harness.adapters.features import CastCompute
+from harness.adapters.local_step import forward_backward
+from harness.reference.tolerance import (REORDER_FACTOR, ReductionModel, clip_coefficient, underflow_error,
                                      unit_roundoff)
-
-
-def forward_backward(model: nn.Module, loss_fn, inputs, targets, num_micro: int,
-                     before_micro: Callable[[int], None] | None = None,
-                     after_micro: Callable[[int], None] | None = None,
-                     backward: Callable[[torch.Tensor, int], None] | None = None) -> torch.Tensor:
-    """One step's forward and backward on this rank's batch (inputs and targets: pytrees of
-    tensors, cases/data.py); returns the local loss. `backward(loss, i)`, when given, replaces
-    `loss.backward()` of micro-batch i (the shadow's reordered replays run it several times).
-
-    With num_micro > 1 the batch is chunked into micro-batches, each loss divided by num_micro,
-    gradients accumulated by autograd, and the returned loss is 0 + l_1/M + l_2/M + ... in the
-    loss dtype, so the caller and the shadow compute it with the same roundings."""
-    if num_micro == 1:
-        if before_micro is not None:
-            before_micro(0)
-        loss = _local_loss(model, loss_fn, inputs, targets)
-        loss.backward() if backward is None else backward(loss, 0)
-        if after_micro is not None:
-            after_micro(0)
-        return loss.detach()
-    total = None
-    for i, (x, y) in enumerate(micro_batches((inputs, targets), num_micro)):
-        if before_micro is not None:
-            before_micro(i)
-        loss = _local_loss(model, loss_fn, x, y) / num_micro
-        loss.backward() if backward is None else backward(loss, i)
-        if after_micro is not None:
-            after_micro(i)
-        total = torch.zeros((), dtype=loss.dtype, device=loss.device) if total is None else total
-        total += loss.detach()
-    return total
-
-
-def _local_loss(model: nn.Module, loss_fn, inputs, targets) -> torch.Tensor:
-    loss = loss_fn(floating_output(call_model(model, inputs)), targets)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"loss_fn returned {shape}, not a scalar tensor (the mean over the local batch)")
-    return loss
 
 
 # [Note: Reordered accumulation]
