@@ -10,9 +10,10 @@ from dataclasses import asdict
 import torch
 
 from cases.catalog import Case, get_case
-from harness.judge.diff import CheckStats, DiffStats, OptimizerResult, ReferenceDiverged, _coords, compare, flat, owner_of, precision_refusal, reduction_model
-from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, CLIP_NORM, RUN_UPDATE_STATISTICS, UPDATE_STATISTICS,
-                                  Violation)
+from harness.judge.checks.base import CheckStats, coords as _coords
+from harness.judge.diff import DiffStats, OptimizerResult, ReferenceDiverged, compare, flat, owner_of, precision_refusal, reduction_model
+from harness.judge.checks import CHECK_ORDER
+from harness.judge.result import ALL_PARAMETERS, CLIP_NORM, RUN_UPDATE_STATISTICS, UPDATE_STATISTICS, Violation
 from harness.reference.tolerance import (CLIP_COEFFICIENT_ULPS, TRAJECTORY_FACTOR, OptimizerErrorState, ReductionModel,
                                      clip_coefficient, clip_coefficient_error, clip_norm_bound, sign_test_threshold,
                                      unit_roundoff)

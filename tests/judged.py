@@ -17,7 +17,8 @@ from cases.catalog import get_case
 from harness.adapters.registry import resolve_impl
 from harness.judge.contracts import active_contracts
 from harness.judge.diff import check_snapshot
-from harness.judge.result import CHECK_ORDER, Violation
+from harness.judge.checks import CHECK_ORDER
+from harness.judge.result import Violation
 
 
 # Checks with a tolerance: steps.csv names, per step, the element nearest it (harness/report/build.py), so

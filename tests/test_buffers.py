@@ -1,4 +1,4 @@
-"""The buffers check ([Note: Buffers] in harness/judge/diff.py): honest evidence of a model with
+"""The buffers check (harness/judge/checks/buffers.py; [Note: Buffers] in harness/judge/diff.py): honest evidence of a model with
 BatchNorm statistics, a persistent and a non-persistent constant passes with every buffer compared
 at every step; each planted damage (one ulp, a sign of zero, a NaN, a counter, a constant at init, a
 rank's digest, missing evidence) fails or errors naming the check, the step, the buffer and the rank.
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from harness.adapters.base import RankContext
-from harness.judge import diff
+from harness.judge.checks import buffers
+from harness.judge.checks.base import CheckStats
 from harness.judge.verdict import evaluate
 from harness.run.orchestrate import write_init_states
 from harness.run.outcome import RunOutcome
@@ -164,13 +165,13 @@ def _evidence(values: dict[str, torch.Tensor], rank_values: list[dict[str, torch
 
 
 def test_a_rank_whose_buffer_differs_is_named_by_its_digest():
-    stats = diff.CheckStats()
+    stats = CheckStats()
     want = {"stat": torch.tensor([1.0, 2.0]), "table": torch.arange(4.0)}
     off = {"stat": torch.tensor([1.0, 2.0]), "table": torch.tensor([0.0, 1.0, 2.0, 3.0000002])}
     honest = _evidence(want, [want, want, want])
-    assert diff.buffer_violations("sgd", 1, honest, want, None, stats) == []
+    assert buffers.violations("sgd", 1, honest, want, None, stats) == []
     assert stats.count == 6 + 2 * 2 and stats.max_ratio == 0.0
-    bad = diff.buffer_violations("sgd", 1, _evidence(want, [want, want, off]), want, None, diff.CheckStats())
+    bad = buffers.violations("sgd", 1, _evidence(want, [want, want, off]), want, None, CheckStats())
     assert [(v.check, v.name, v.rank) for v in bad] == [("buffers", "table", 2)]
 
 
@@ -180,9 +181,9 @@ def test_split_data_holds_other_ranks_to_constants_only():
     want = {"stat": torch.tensor([1.0, 2.0]), "table": torch.arange(4.0)}
     own_batch = {"stat": torch.tensor([1.5, 2.5]), "table": torch.arange(4.0)}
     evidence = _evidence(want, [want, own_batch])
-    assert diff.buffer_violations("sgd", 1, evidence, want, {"table"}, diff.CheckStats()) == []
+    assert buffers.violations("sgd", 1, evidence, want, {"table"}, CheckStats()) == []
     broken = _evidence(want, [want, {"stat": torch.tensor([1.5, 2.5]), "table": torch.zeros(4)}])
-    bad = diff.buffer_violations("sgd", 1, broken, want, {"table"}, diff.CheckStats())
+    bad = buffers.violations("sgd", 1, broken, want, {"table"}, CheckStats())
     assert [(v.name, v.rank) for v in bad] == [("table", 1)]
 
 

@@ -40,7 +40,8 @@ def test_compare_reports_zero_only_when_bitwise_equal():
 
 
 def test_a_precision_too_low_to_judge_is_refused_not_passed():
-    from harness.judge.diff import CheckStats, precision_refusal
+    from harness.judge.checks.base import CheckStats
+    from harness.judge.diff import precision_refusal
     from harness.reference.tolerance import MAX_MEDIAN_RELATIVE_TOLERANCE
 
     g = torch.randn(1000, generator=torch.Generator().manual_seed(0))

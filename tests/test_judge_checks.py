@@ -17,7 +17,8 @@ import torch
 
 from cases.catalog import get_case
 from harness.judge.diff import check_snapshot
-from harness.judge.result import CHECK_ORDER, Violation
+from harness.judge.checks import CHECK_ORDER
+from harness.judge.result import Violation
 from harness.adapters import RankContext
 from harness.run.orchestrate import write_init_states
 from harness.run.plan import build_plan

@@ -22,7 +22,8 @@ from junitparser import Error, Failure, JUnitXml, Skipped
 
 from harness.ci.baseline import FORMAT, BaselineRefused, BaselineResult, environment_key, load_baseline
 from harness.judge.diff import DiffStats, OptimizerResult
-from harness.judge.result import CHECK_ORDER, Violation
+from harness.judge.checks import CHECK_ORDER
+from harness.judge.result import Violation
 from harness.ci.gate import add_gate_files
 from harness.run.outcome import RunOutcome
 from harness.run.plan import Cell, build_plan

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cases.catalog import CASES, OptimizerSpec
-from harness.judge.result import BOUNDED, JUDGED, Judgement, Verdict, first_of
+from harness.judge.checks import BOUNDED, JUDGED
+from harness.judge.result import Judgement, Verdict, first_of
 from harness.errors import UserError
 from harness.fuzz.check import ExampleResult, run_example
 from harness.fuzz.pool import PoolConfig, PoolExitError, RankPool

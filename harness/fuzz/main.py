@@ -24,7 +24,7 @@ from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 
 from cases.catalog import OptimizerSpec
-from harness.judge.result import JUDGED
+from harness.judge.checks import JUDGED
 from harness.errors import UserError
 from harness.fuzz.check import ExampleResult, finish_example, run_example, start_example
 from harness.fuzz.pool import PoolConfig, PoolExitError, PoolGroup, RankPool

@@ -32,12 +32,13 @@ import torch
 from cases.catalog import Case, get_case
 from cases.features import DTYPES
 from harness.judge.layouts import first_bit_difference
+from harness.judge.checks import CHECK_ORDER, buffers
+from harness.judge.checks.base import CheckStats, coords
 from harness.judge.contracts import contract_violations, model_size
-from harness.judge.result import (ALL_PARAMETERS, CHECK_ORDER, CLIP_NORM, GRAD_STATISTICS, RUN_UPDATE_STATISTICS,
+from harness.judge.result import (ALL_PARAMETERS, CLIP_NORM, GRAD_STATISTICS, RUN_UPDATE_STATISTICS,
                                   UPDATE_STATISTICS, Judgement, Violation, first_of, nan_max)
 from harness.judge.segments import (Failing, Segments, SignCounts, TensorOutcome, judge_segments, kept_for_signs,
                                     merge_outcomes, sign_counts, sign_counts_of_kept)
-from harness.run.snapshot import digest
 from harness.reference.tolerance import (CHUNK_ELEMENTS, CLIP_COEFFICIENT_ULPS, MAX_MEDIAN_RELATIVE_TOLERANCE,
                                      TRAJECTORY_FACTOR, clip_coefficient, clip_norm_bound,
                                OptimizerErrorState, ReductionModel, clip_coefficient_error, sign_test_threshold,
@@ -117,14 +118,6 @@ def owner_of(layout: dict | None, size: torch.Size, index: int) -> int | None:
     return None
 
 
-def _coords(size: torch.Size, index: int) -> tuple[int, ...]:
-    coords = []
-    for dim in reversed(size):
-        coords.append(index % dim)
-        index //= dim
-    return tuple(reversed(coords))
-
-
 def flat(tensors: dict[str, torch.Tensor], order: dict | None = None) -> torch.Tensor:
     """One 1-D tensor of `tensors` in the key order of `order` (default: their own)."""
     keys = list(order if order is not None else tensors)
@@ -167,7 +160,7 @@ def compare_parts(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> D
 
 def _failing_violation(optimizer, step, check, name, size: torch.Size, layout, f: Failing) -> Violation:
     return Violation(optimizer, step, check, name, f.ratio, f.abs_diff, f.tol, f.actual, f.expected, f.index,
-                     _coords(size, f.index), owner_of(layout, size, f.index), False, f.num_violating)
+                     coords(size, f.index), owner_of(layout, size, f.index), False, f.num_violating)
 
 
 def _bias_violation(optimizer, step, name, counts: SignCounts,
@@ -203,7 +196,7 @@ def _nonfinite(optimizer, step, name, tensor, layout, rank=None) -> Violation | 
     value = tensor.reshape(-1)[index].item()
     owner = rank if rank is not None else owner_of(layout, tensor.shape, index)
     return Violation(optimizer, step, "nonfinite", name, float("inf"), float("inf"), 0.0, value, float("nan"),
-                     index, _coords(tensor.shape, index), owner, False, int(bad.sum().item()))
+                     index, coords(tensor.shape, index), owner, False, int(bad.sum().item()))
 
 
 def _nonfinite_segments(tensors: list[torch.Tensor]) -> list[int]:
@@ -273,108 +266,11 @@ def _nonfinite_segments(tensors: list[torch.Tensor]) -> list[int]:
 # plain model is an adapter error, raised where the evidence is picked (harness/run/rank.py).
 
 
-def _item(t: torch.Tensor, index: int) -> float:
-    value = t.reshape(-1)[index].item() if t.numel() > index else float("nan")
-    return float(value)
-
-
-def buffer_violations(kind: str, step: int, evidence: dict, expected: dict[str, torch.Tensor],
-                      every_rank: set[str] | None, stats: CheckStats) -> list[Violation]:
-    """The buffers check of one step (step 0: after wrapping). `evidence`: {"values": rank 0's
-    buffers, "digests": (W, buffers) every rank's}; `expected`: the reference's buffers; every
-    rank is held to them for the names in `every_rank` (None: all), rank 0 for every name."""
-    values, digests = evidence["values"], evidence["digests"]
-    names = list(values)
-    missing = sorted(set(expected) ^ set(names))
-    if missing:
-        raise ValueError(f"step {step}: buffers {missing[:4]} are in only one of cell and reference")
-    if tuple(digests.shape[1:]) != (len(names),):
-        raise ValueError(f"step {step}: {digests.shape[1] if digests.dim() == 2 else '?'} buffer digests per rank "
-                         f"for {len(names)} buffers")
-    out = []
-    columns = digests.t().tolist()
-    for j, name in enumerate(names):
-        actual, want = values[name], expected[name]
-        index = first_bit_difference(actual, want)
-        stats.add(actual.numel(), 0.0 if index is None else float("inf"))
-        if index is not None:
-            num = (actual.numel() if actual.shape != want.shape or actual.dtype != want.dtype else
-                   int((actual.reshape(-1).double() != want.reshape(-1).double()).sum().item()) or 1)
-            a, e = _item(actual, index), _item(want, index)
-            out.append(Violation(kind, step, "buffers", name, float("inf"), abs(a - e) if a == a and e == e else float("nan"),
-                                 0.0, a, e, index, _coords(actual.shape, index) if actual.dim() else None, 0,
-                                 num_violating=num))
-        if every_rank is not None and name not in every_rank:
-            continue
-        want_digest = digest(want)
-        for r, d in enumerate(columns[j]):
-            if r == 0:
-                continue  # rank 0: its full buffer, compared above
-            stats.add(1, 0.0 if d == want_digest else float("inf"))
-            if d != want_digest:
-                out.append(Violation(kind, step, "buffers", name, float("inf"), float("nan"), 0.0, float("nan"),
-                                     float("nan"), rank=r))
-    return out
-
-
 def _require_finite(what: str, step: int, tensors: dict[str, torch.Tensor]) -> None:
     for s in _nonfinite_segments(list(tensors.values()))[:1]:
         name = list(tensors)[s]
         raise ReferenceDiverged(f"the unsharded reference diverged: {what} '{name}' is not finite at step {step}; "
                                 f"the case cannot be judged (lower the learning rate or fix the model)")
-
-
-@dataclass
-class CheckStats:
-    """What one check compared: elements, the unit roundoff behind its tolerance, tol / |value|."""
-
-    u: float = 0.0
-    count: int = 0
-    rel_tol_samples: list[torch.Tensor] = field(default_factory=list)
-    max_ratio: float = 0.0
-
-    def add(self, count: int, ratio: float = 0.0, tol: torch.Tensor | None = None,
-            value: torch.Tensor | None = None) -> None:
-        self.count += count
-        self.max_ratio = max(self.max_ratio, ratio) if ratio == ratio else float("inf")
-        if tol is not None and value is not None and value.numel():
-            mask = value != 0
-            rel = tol.double().expand_as(value)[mask] / value.double().abs()[mask]
-            if rel.numel() > 4096:  # a deterministic sample keeps big models cheap
-                rel = rel[:: rel.numel() // 4096 + 1]
-            self.rel_tol_samples.append(rel)
-
-    def add_samples(self, seg: Segments, tol: torch.Tensor, value: torch.Tensor) -> None:
-        """`add`'s tol / |value| samples of every segment at once (flat float64 tol and value):
-        the same elements, each segment sampled as `add` samples one tensor (its non-zero values,
-        every (count // 4096 + 1)-th of them where it has more than 4096), found before dividing."""
-        picked = []
-        for start, end in zip(seg.offsets[:-1], seg.offsets[1:]):
-            at = (value[start:end] != 0).nonzero().reshape(-1)
-            if at.numel() > 4096:
-                at = at[:: at.numel() // 4096 + 1]
-            picked.append(at + start)
-        at = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long)
-        if at.numel():
-            self.rel_tol_samples.append(tol[at] / value[at].abs())
-
-    def add_slice_samples(self, tol: torch.Tensor, value: torch.Tensor, seen: int, nonzero: int) -> int:
-        """`add_samples` of one tensor judged in slices ([Note: The judge by pieces]), for one slice
-        (flat float64 tol and value): `seen` of the tensor's `nonzero` values were in the slices
-        before it; the same elements as one segment of the whole tensor gives. Returns `seen` after."""
-        at = (value != 0).nonzero().reshape(-1)
-        n = at.numel()
-        if nonzero > 4096:
-            at = at[torch.arange(seen, seen + n) % (nonzero // 4096 + 1) == 0]
-        if at.numel():
-            self.rel_tol_samples.append(tol[at] / value[at].abs())
-        return seen + n
-
-    def summary(self) -> dict:
-        rel = torch.cat(self.rel_tol_samples) if self.rel_tol_samples else torch.zeros(0, dtype=torch.float64)
-        return {"u": self.u, "elements": self.count, "margin": self.max_ratio,
-                "tol_over_value_median": rel.median().item() if rel.numel() else None,
-                "tol_over_value_max": rel.max().item() if rel.numel() else None}
 
 
 @dataclass
@@ -803,7 +699,7 @@ class CellJudge:
             value = expected.reshape(-1)[index].item() if index is not None else 0.0
             self.stats["grad"].add(expected.numel(), float("inf"))
             out.append(Violation(self.kind, step, "grad", name, float("inf"), abs(value), 0.0, float("nan"), value, index,
-                                 None if index is None else _coords(expected.shape, index),
+                                 None if index is None else coords(expected.shape, index),
                                  None if index is None else owner_of(step_layouts.get(name), expected.shape, index),
                                  num_violating=expected.numel(), lost_gradient=True))
         return out
@@ -888,7 +784,7 @@ class CellJudge:
         for pair in zip(nonfinite, init_viol):
             viol.extend(v for v in pair if v)
         self._buffers_before = init["buffers"]["values"]
-        viol.extend(buffer_violations(kind, 0, init["buffers"], self.init_buffers or {}, None, self.stats["buffers"]))
+        viol.extend(buffers.violations(kind, 0, init["buffers"], self.init_buffers or {}, None, self.stats["buffers"]))
         self._params_before = init["params"]
 
     def step(self, rec: dict, ref_rec: dict | None = None, comparison: ReferenceComparison | None = None) -> bool:
@@ -969,7 +865,7 @@ class CellJudge:
         if self.split:
             every_rank = {n for n, b in shadow["buffers"].items()
                           if n in buffers_before and first_bit_difference(b, buffers_before[n]) is None}
-        viol.extend(buffer_violations(kind, step, rec["buffers"], shadow["buffers"], every_rank, stats["buffers"]))
+        viol.extend(buffers.violations(kind, step, rec["buffers"], shadow["buffers"], every_rank, stats["buffers"]))
         self._buffers_before = rec["buffers"]["values"]
 
         # grad: within the reduction bound of the exact mean of the local terms; param: that bound
@@ -1455,7 +1351,7 @@ def judge_trajectory(kind: str, dev: TrajectoryDeviation, envelope: dict[str, to
             worst.update(margin=o.max_ratio, diff=o.worst_diff, tol=o.worst_tol, name=name)
         if o.failing is not None:
             out.append(Violation(kind, dev.step, "trajectory", name, o.failing.ratio, o.failing.abs_diff, o.failing.tol,
-                                 dev.actual[s], dev.expected[s], worst_index, _coords(size, worst_index),
+                                 dev.actual[s], dev.expected[s], worst_index, coords(size, worst_index),
                                  dev.owners[s]))
     return out
 

@@ -14,12 +14,9 @@ import enum
 import math
 from dataclasses import asdict, dataclass, field
 
+from harness.judge.checks import CHECK_ORDER
 from harness.reference.tolerance import BIAS_FALSE_ALARM
 
-CHECK_ORDER = ("nonfinite", "init", "loss", "buffers", "grad", "clip", "param", "bias", "replicas", "padding",
-               "contract", "trajectory")
-BOUNDED = ("grad", "param", "trajectory")  # a worst-case bound or an envelope: honest margins stay below 1 (docs/error_model.md)
-JUDGED = ("grad", "param", "bias", "trajectory")  # the checks with a non-zero tolerance (bias: a sign test)
 
 
 BIAS_STATISTICS = {

@@ -17,7 +17,6 @@ envelope), with noise of the amplitude `noise_amplitude` measures.
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 import torch.nn as nn

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from harness.judge.result import CHECK_ORDER, Verdict
+from harness.judge.checks import CHECK_ORDER
+from harness.judge.result import Verdict
 from harness.report.environment import plan_environment
 from harness.run.outcome import RunOutcome
 from harness.reference.tolerance import TRAJECTORY_FACTOR

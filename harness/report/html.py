@@ -15,7 +15,8 @@ from pathlib import Path
 
 import jinja2
 
-from harness.judge.result import CHECK_ORDER, Verdict
+from harness.judge.checks import CHECK_ORDER
+from harness.judge.result import Verdict
 from harness.report.plots import loss_figure, trajectory_figure
 from harness.report.build import Report, fmt_value, error_model_rows, step_rows
 from harness.report.view import (case_views, cell_label, check_detail, check_margins, margin_class, margin_text,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.judge.result import JUDGED, Verdict
+from harness.judge.checks import JUDGED
+from harness.judge.result import Verdict
 from harness.report.build import Report, bias_note, fmt_value, cell_row, error_model_rows, first_check
 from harness.report.view import case_views, cell_label, margin_text, skipped_groups, verdict_counts
 from harness.reference.tolerance import TRAJECTORY_FACTOR

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.judge.result import CHECK_ORDER, JUDGED, Verdict
+from harness.judge.checks import CHECK_ORDER, JUDGED
+from harness.judge.result import Verdict
 from harness.report.build import Report
 from harness.judge.verdict import CellResult
 
