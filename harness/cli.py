@@ -266,7 +266,6 @@ def _prune_passing_evidence(plan, cells) -> None:
 
 def cmd_list() -> int:
     from cases.catalog import CASES
-    from harness.adapters.ours import planted_faults
     from harness.adapters.registry import BUILTIN_IMPLS
 
     print("cases:")
@@ -275,22 +274,16 @@ def cmd_list() -> int:
               f"steps={case.steps}, global_batch={case.global_batch}, world sizes {list(case.world_sizes)}, "
               f"data {list(case.data_modes)}")
     print("impls: " + ", ".join(BUILTIN_IMPLS) + " (or module:Class / file.py:Class)")
-    try:
-        catalog = planted_faults()
-    except Exception as e:  # listing still works when impl/ is broken
-        print(f"faults: unavailable ({type(e).__name__}: {e})")
-    else:
-        print("faults (run --faults NAME, planted in impl=ours):")
-        for name, what in catalog.items():
-            print(f"  {name}: {what}")
-    from harness.run.dist_faults import DIST_FAULTS, LOOP_FAULTS
+    from harness.faults import of_layer
 
-    print("collective faults (run --faults NAME, in what torch.distributed delivers: any implementation, W > 1):")
-    for name, what in DIST_FAULTS.items():
-        print(f"  {name}: {what}")
-    print("training-loop faults (run --faults NAME, in the loop the harness drives: any implementation, any W):")
-    for name, what in LOOP_FAULTS.items():
-        print(f"  {name}: {what}")
+    for layer, title in (("impl", "faults (run --faults NAME, planted in impl=ours)"),
+                         ("collective", "collective faults (run --faults NAME, in what torch.distributed delivers: any "
+                                        "implementation, W > 1)"),
+                         ("loop", "training-loop faults (run --faults NAME, in the loop the harness drives: any "
+                                  "implementation, any W)")):
+        print(title + ":")
+        for fault in of_layer(layer).values():
+            print(f"  {fault.name}: {fault.plants}")
     return EXIT_PASS
 
 
@@ -347,7 +340,7 @@ def _add_search_verbs(verbs) -> None:
     mutants.add_argument("--out", default="runs/mutants", help="output directory (default runs/mutants)")
     mutants.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun launch (default 900)")
     mutants.add_argument("--only", default="", help="comma-separated faults (default: every collective fault and "
-                                                         "every fault of impl.FAULTS)")
+                                                         "every impl fault of harness/faults.py)")
     mutants.add_argument("--world-sizes", default="", help=argparse.SUPPRESS)  # one W for a quick test
     mutants.add_argument("--cases", default=None,
                          help="real architectures every fault also runs on, with a table per case (default "

@@ -25,7 +25,8 @@ from harness import cli
 from harness.adapters.base import RankContext
 from harness.ci.mutants import Evidence, MutantRow, table
 from harness.run import dist_faults
-from harness.run.dist_faults import DIST_FAULTS, NEVER_ACTED, CollectiveFaults
+from harness.faults import NEVER_ACTED, of_layer
+from harness.run.dist_faults import CollectiveFaults
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -213,7 +214,7 @@ def test_each_collective_fault_is_caught_on_ours_and_fsdp2_and_never_acted_on_dd
 
     base = build_plan(cases=("mlp",), impls=("ours", "fsdp2", "ddp"), world_sizes=(2,), data_modes=("split",),
                       steps=2, timeout_s=1200, out_dir=tmp_path)
-    faulted = [replace(c, faults=(f,)) for f in DIST_FAULTS for c in base.cells if c.impl != "ddp"]
+    faulted = [replace(c, faults=(f,)) for f in of_layer("collective") for c in base.cells if c.impl != "ddp"]
     idle = [replace(c, faults=("dist_scale_1e-5",)) for c in base.cells if c.impl == "ddp"]
     plan = replace(base, cells=base.cells + tuple(faulted) + tuple(idle))
     with OutputDir(plan.out_dir, plan.run_id, ("snapshots", "logs", "init")):

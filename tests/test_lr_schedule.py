@@ -2,7 +2,7 @@
 steps its own scheduler, so an implementation's loop that steps the learning rate otherwise is a
 different training run.
 
-Planted in the training loop the harness drives (harness/run/dist_faults.py LOOP_FAULTS), for any
+Planted in the training loop the harness drives (harness/faults.py, layer "loop"; its seam in harness/run/dist_faults.py scheduler_steps), for any
 implementation: the scheduler stepped twice after every optimizer step. Step 1's learning rate is
 the same; from step 2 every parameter moves with another one, and the parameter check fails there.
 A cell whose optimizer has no scheduler cannot show the fault: an error, never a pass."""
@@ -14,7 +14,7 @@ import torch
 
 from harness.errors import PlanError
 from harness.judge.verdict import evaluate
-from harness.run.dist_faults import check_faults
+from harness.faults import check_faults
 from harness.run.orchestrate import run_plan
 from harness.run.plan import build_plan
 

@@ -30,6 +30,11 @@ PACKAGE_IMPORTS = {"impl": ("impl",), "cases": ("cases",), "harness": PACKAGES}
 # Wall 6: the layers below both the rank runtime (run/) and the judge (judge/) import nothing above
 # them: the adapters (and the local step every rank runs), then the reference (the error model and
 # the unsharded replay), each only itself and what is below it.
+# Wall 7: the parent side reads fault names from the catalog (harness/faults.py), never from the
+# seam that plants collective and loop faults inside the ranks.
+FAULT_SEAM = "harness.run.dist_faults"
+PARENT_SIDE = ("harness.cli", "harness.ci", "harness.fuzz.main", "harness.run.plan", "harness.run.orchestrate",
+               "harness.run.launch", "harness.report", "harness.judge")
 LAYER_IMPORTS = {
     "harness.adapters": ("harness.adapters", "harness.errors"),
     "harness.reference": ("harness.reference", "harness.adapters", "harness.errors"),
@@ -144,6 +149,8 @@ def wall_violations(sources: dict[str, str]) -> list[str]:
                 out.append(f"wall 4 (no private module of another package): {where}")
             if imp.module.split(".")[0] not in PACKAGE_IMPORTS[own_package]:
                 out.append(f"wall 5 ({own_package} imports only {list(PACKAGE_IMPORTS[own_package])}): {where}")
+            if _within(importer, PARENT_SIDE) and imp.module == FAULT_SEAM:
+                out.append(f"wall 7 (the parent side takes fault names from harness.faults): {where}")
             for layer, allowed in LAYER_IMPORTS.items():
                 if _within(importer, (layer,)) and _within(imp.module, ("harness",)) \
                         and not _within(imp.module, allowed):
@@ -190,6 +197,8 @@ PLANTED = [
     ("harness.reference.planted", "def f():\n    from harness.judge.diff import CellJudge\n", "wall 6"),
     ("harness.adapters.planted", "from harness.reference.shadow import Shadow\n", "wall 6"),
     ("harness.adapters.planted", "import harness.run.rank\n", "wall 6"),
+    ("harness.ci.planted", "from harness.run.dist_faults import NEVER_ACTED\n", "wall 7"),
+    ("harness.run.plan", "def f():\n    from harness.run import dist_faults\n", "wall 7"),
 ]
 
 

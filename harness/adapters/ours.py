@@ -180,9 +180,10 @@ def _auto_wrap_policy(features: Features):
     return impl.SizePolicy(features.auto_wrap_min_params)
 
 
-def planted_faults() -> dict[str, str]:
-    """impl/'s planted faults (the seam in impl/_faults.py): name -> the bug it plants."""
+def planted_faults() -> tuple[str, ...]:
+    """The names of the faults impl/ can plant (its seams, impl/_faults.py SEAMS); what each plants
+    is in the harness's fault catalog (harness/faults.py)."""
     import impl
 
-    return dict(impl.FAULTS)
+    return impl.FAULTS
 

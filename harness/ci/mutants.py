@@ -1,7 +1,7 @@
 """`python -m harness mutants`: every planted fault must be caught, and the honest run must pass
 with room to spare. Per implementation (`--impls`, default ours): the collective faults
 (harness/run/dist_faults.py, planted in what torch.distributed delivers: any implementation) and,
-for impl=ours, the faults planted inside impl/ (impl.FAULTS); a fault an implementation cannot
+for impl=ours, the faults planted inside impl/ (every fault of harness/faults.py is one of the two); a fault an implementation cannot
 take is reported n/a (impl/'s faults elsewhere; a collective fault that never met a collective it
 acts on, NEVER_ACTED).
 
@@ -32,7 +32,7 @@ from harness.errors import UserError
 from harness.fuzz.check import ExampleResult, run_example
 from harness.fuzz.pool import PoolConfig, PoolExitError, RankPool
 from harness.fuzz.spec import BlockSpec, ModelSpec
-from harness.run.dist_faults import DIST_FAULTS, NEVER_ACTED, check_faults
+from harness.faults import FAULTS, NEVER_ACTED, check_faults, of_layer
 from harness.run.output import OutputDir
 from harness.run.snapshot import write_atomic_text
 
@@ -41,42 +41,35 @@ GATE_WORLD_SIZES = (2, 4)  # W = 4: uneven and smaller-than-W flat parameters (s
 GATE_STEPS = 2
 CORPUS_WORLD_SIZES = (2, 4)
 HONEST = "(none)"
-# Faults that act only under a feature the standard cases lack: their cells run these cases too
-# (and so do the honest cells, so the honest margin covers them).
-FAULT_CASES = {
-    "master_lost_to_param_dtype": ("mixed_precision", "mixed_precision_bf16_reduce"),
-    "no_grad_average": ("mixed_precision", "mixed_precision_bf16_reduce"),
-    "replica_grad_drift": ("no_shard", "hybrid_shard"),
-    "buffers_zeroed_at_wrap": ("batchnorm",),  # identical data only: BatchNorm refuses split
-    "unused_params_stepped": ("unused_head",),
-    "clip_twice": ("clip_grad_norm",),
-    "clip_norm_world_group": ("hybrid_shard_clip",),
-    "grad_sync_every_micro": ("grad_accumulation",),  # the contracts' ([Note: Contracts])
-    "reshard_after_forward_ignored": ("reshard_after_forward_false",),
-    "mesh_dims_swapped": ("no_shard", "hybrid_shard"),
-    "zero1_state_replicated": ("zero1",),
-}
+# Faults that act only under a feature the standard cases lack run those cases too (and so do the
+# honest cells, so the honest margin covers them): harness/faults.py, each fault's `cases`.
 # Real architectures (cases/architectures.py): every fault runs on each too, honestly and planted,
 # and the per-case table shows it caught on each. A fault that acts only under a feature a case
 # lacks cannot act there: the table names the feature instead of counting the fault.
 ARCH_CASES = ("gpt2", "llama", "moe")
-FAULT_NEEDS = {
-    "grad_accum_overwrite": "gradient accumulation",
-    "master_lost_to_param_dtype": "mixed precision",
-    "replica_grad_drift": "replicated shards (HSDP or NO_SHARD)",
-    "tied_param_duplicated": "a parameter with two names (tied weights)",
-    "buffers_zeroed_at_wrap": "module buffers",
-    "unused_params_stepped": "a parameter without a gradient (no loss term reaches it)",
-    "reduce_at_last_gradient": "a parameter one rank's batch gives a gradient and another's does not (split data)",
-    "clip_twice": "gradient-norm clipping",
-    "clip_norm_world_group": "gradient-norm clipping under HSDP (replicated shards)",
-    "grad_sync_every_micro": "gradient accumulation",
-    "reshard_after_forward_ignored": "reshard_after_forward=False",
-    "mesh_dims_swapped": "a 2-D mesh (HSDP or NO_SHARD)",
-    "zero1_state_replicated": "ZeRO-1",
-    "grad_scale_from_step_6": f"6 steps or more (these run {GATE_STEPS})",
-    "grad_predivide_param_dtype": f"a world size that is not a power of two (these run W = {list(GATE_WORLD_SIZES)})",
+
+
+# Per fault with a need (harness/faults.py `needs`): whether a case has that feature.
+ACTS_ON = {
+    "grad_accum_overwrite": lambda case, features: features.grad_accum > 1,
+    "master_lost_to_param_dtype": lambda case, features: features.mixed_precision,
+    "replica_grad_drift": lambda case, features: features.mesh != "shard",
+    "tied_param_duplicated": lambda case, features: _has_tied_parameter(case.build_model()),
+    "buffers_zeroed_at_wrap": lambda case, features: any(True for _ in case.build_model().buffers()),
+    "unused_params_stepped": lambda case, features: _has_parameter_without_gradient(case),
+    "reduce_at_last_gradient": lambda case, features: _has_rank_dependent_gradient(case),
+    "clip_twice": lambda case, features: features.clip_norm_type is not None,
+    "clip_norm_world_group": lambda case, features: features.clip_norm_type is not None and features.mesh == "hybrid",
+    "grad_sync_every_micro": lambda case, features: features.grad_accum > 1,
+    "reshard_after_forward_ignored": lambda case, features: not features.reshard_after_forward,
+    "mesh_dims_swapped": lambda case, features: features.mesh != "shard",
+    "zero1_state_replicated": lambda case, features: features.zero1,
+    "grad_scale_from_step_6": lambda case, features: GATE_STEPS >= 6,
+    # dividing by a power of two is exact in any dtype
+    "grad_predivide_param_dtype": lambda case, features: any(w & (w - 1) for w in GATE_WORLD_SIZES),
 }
+# The needs answered by building the model (a case missing a package cannot say).
+_BUILDS_THE_MODEL = ("tied_param_duplicated", "buffers_zeroed_at_wrap", "unused_params_stepped", "reduce_at_last_gradient")
 
 
 def fault_cannot_act(fault: str, case_name: str) -> str | None:
@@ -86,33 +79,13 @@ def fault_cannot_act(fault: str, case_name: str) -> str | None:
     this environment lacks, the answer is "unknown without <package>" rather than an ImportError."""
     from cases.catalog import get_case
 
-    need = FAULT_NEEDS.get(fault)
+    need = FAULTS[fault].needs if fault in FAULTS else None
     if need is None:
         return None
     case = get_case(case_name)
-    features = case.features
-    flags = {
-        "grad_accum_overwrite": lambda: features.grad_accum > 1,
-        "master_lost_to_param_dtype": lambda: features.mixed_precision,
-        "replica_grad_drift": lambda: features.mesh != "shard",
-        "tied_param_duplicated": lambda: _has_tied_parameter(case.build_model()),
-        "buffers_zeroed_at_wrap": lambda: any(True for _ in case.build_model().buffers()),
-        "unused_params_stepped": lambda: _has_parameter_without_gradient(case),
-        "reduce_at_last_gradient": lambda: _has_rank_dependent_gradient(case),
-        "clip_twice": lambda: features.clip_norm_type is not None,
-        "clip_norm_world_group": lambda: features.clip_norm_type is not None and features.mesh == "hybrid",
-        "grad_sync_every_micro": lambda: features.grad_accum > 1,
-        "reshard_after_forward_ignored": lambda: not features.reshard_after_forward,
-        "mesh_dims_swapped": lambda: features.mesh != "shard",
-        "zero1_state_replicated": lambda: features.zero1,
-        "grad_scale_from_step_6": lambda: GATE_STEPS >= 6,
-        # dividing by a power of two is exact in any dtype
-        "grad_predivide_param_dtype": lambda: any(w & (w - 1) for w in GATE_WORLD_SIZES),
-    }
-    if fault in ("tied_param_duplicated", "buffers_zeroed_at_wrap", "unused_params_stepped",
-                 "reduce_at_last_gradient") and case.missing_requirements():
+    if fault in _BUILDS_THE_MODEL and case.missing_requirements():
         return f"unknown without {', '.join(case.missing_requirements())}"
-    return None if flags[fault]() else f"n/a: needs {need}"
+    return None if ACTS_ON[fault](case, case.features) else f"n/a: needs {need}"
 
 
 def _has_parameter_without_gradient(case) -> bool:
@@ -256,7 +229,7 @@ def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float, world_siz
 
     from cases.catalog import get_case
 
-    extra = tuple(sorted({c for f in faults for c in FAULT_CASES.get(f, ())}))
+    extra = tuple(sorted({c for f in faults for c in FAULTS[f].cases}))
     every_case = GATE_CASES + extra + arch_cases
     # Each case in the data modes it has (batchnorm: identical only), one plan for all of them.
     modes_of = {c: tuple(m for m in ("identical", "split") if m in get_case(c).data_modes) for c in every_case}
@@ -267,7 +240,7 @@ def _gate_evidence(out_dir: Path, faults: list[str], timeout_s: float, world_siz
                    skipped=sum((p.skipped for p in plans), ()))
     acts = {(f, c): fault_cannot_act(f, c) is None for f in faults for c in arch_cases}
     cells = base.cells + tuple(replace(c, faults=(f,)) for f in faults for c in base.cells
-                               if c.case in GATE_CASES + FAULT_CASES.get(f, ()) or acts.get((f, c.case)))
+                               if c.case in GATE_CASES + FAULTS[f].cases or acts.get((f, c.case)))
     plan = replace(base, cells=cells)
     with OutputDir(plan.out_dir, plan.run_id, ("snapshots", "logs", "init")) as output:
         outcome = run_plan(plan, Progress(plan))
@@ -397,10 +370,9 @@ def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
     """world_sizes: both batteries at these W instead of GATE_WORLD_SIZES / CORPUS_WORLD_SIZES;
     arch_cases: the real architectures every fault also runs on (() for none); impls: each
     implementation's mutants in turn (built-in names or a user's 'file.py:Class')."""
-    from harness.adapters.ours import planted_faults
     from harness.adapters.registry import resolve_sharded_impl
 
-    planted = planted_faults()
+    planted = {name: fault.plants for name, fault in of_layer("impl").items()}
     gate_world_sizes = world_sizes or GATE_WORLD_SIZES
     corpus_world_sizes = world_sizes or CORPUS_WORLD_SIZES
     if min(gate_world_sizes) < 2:
@@ -414,8 +386,9 @@ def main(out_dir: Path, timeout_s: float, only: tuple[str, ...] | None = None,
             raise UserError(f"mutants --impls {names[adapter.name]} and {impl} share the name {adapter.name!r}; "
                             f"give one of them another `name`")
         names[adapter.name] = impl
-    everything = {**planted, **DIST_FAULTS}
-    faults = list(only) if only else sorted(planted) + sorted(DIST_FAULTS)
+    collective = {name: fault.plants for name, fault in of_layer("collective").items()}
+    everything = {**planted, **collective}
+    faults = list(only) if only else sorted(planted) + sorted(collective)
     check_faults(faults, impls if only else ("ours",), loop=False)
     unknown_cases = sorted(set(arch_cases) - set(CASES))
     if unknown_cases:
@@ -441,7 +414,7 @@ def _run(out_dir: Path, sub: Path, impl: str, faults: list[str], descriptions: d
          gate_world_sizes: tuple[int, ...], corpus_world_sizes: tuple[int, ...],
          arch_cases: tuple[str, ...]) -> tuple[bool, str]:
     """One implementation's mutants: (every applicable fault caught and the honest runs pass, its section)."""
-    runnable = [f for f in faults if impl == "ours" or f in DIST_FAULTS]
+    runnable = [f for f in faults if impl == "ours" or f in of_layer("collective")]
     start = time.monotonic()
     gate = _gate_evidence(out_dir / "gate" / sub, runnable, timeout_s, gate_world_sizes, arch_cases, impl)
     gate_s = time.monotonic() - start
@@ -452,11 +425,11 @@ def _run(out_dir: Path, sub: Path, impl: str, faults: list[str], descriptions: d
     for row in rows[1:]:
         # A fault that can act on none of the batteries' cases (the feature it needs is in none of
         # them) is named n/a with that need, never counted as missed nor as caught.
-        battery = GATE_CASES + FAULT_CASES.get(row.mutant, ()) + tuple(arch_cases or ())
-        if row.cannot_take is None and not row.caught and row.mutant in FAULT_NEEDS and all(
+        battery = GATE_CASES + FAULTS[row.mutant].cases + tuple(arch_cases or ())
+        if row.cannot_take is None and not row.caught and FAULTS[row.mutant].needs is not None and all(
                 fault_cannot_act(row.mutant, c) for c in battery):
             row.cannot_take = (f"n/a: acts on none of the batteries' cases (needs "
-                               f"{FAULT_NEEDS[row.mutant]})")
+                               f"{FAULTS[row.mutant].needs})")
     honest = rows[0]
     honest_margin = honest.ratio()
     mutants = [r for r in rows[1:] if not r.not_applicable]
@@ -468,7 +441,7 @@ def _run(out_dir: Path, sub: Path, impl: str, faults: list[str], descriptions: d
     ok = not honest.caught and all(r.caught for r in mutants) and per_case_ok
     text = "\n".join([
         f"Batteries: gate matrix (cases {list(GATE_CASES)} for every fault, and per fault "
-        f"{ {f: c for f, c in FAULT_CASES.items() if f in runnable} }; impl={impl}, W={list(gate_world_sizes)}, "
+        f"{ {f: FAULTS[f].cases for f in runnable if FAULTS[f].cases} }; impl={impl}, W={list(gate_world_sizes)}, "
         f"identical+split data, {GATE_STEPS} steps, sgd+adamw; one launch for every mutant and world size, {gate_s:.0f}s) and the "
         f"fuzz corpus ({sorted(corpus(2))} at W={list(corpus_world_sizes)}, one rank pool per W; models the "
         f"implementation refuses at wrap are not run).",

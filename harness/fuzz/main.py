@@ -358,7 +358,7 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
 
     resolve_sharded_impl(impl, "fuzz", "the fuzzer needs a sharded implementation")
     if faults:
-        from harness.run.dist_faults import check_faults
+        from harness.faults import check_faults
 
         check_faults(faults, (impl,), loop=False)
     try:

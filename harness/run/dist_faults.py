@@ -37,23 +37,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from harness.errors import PlanError
+from harness.faults import NEVER_ACTED, split_faults
 
-DIST_FAULTS: dict[str, str] = {
-    "dist_scale_1e-5": "every gradient reduction's result (sum or average of floats) is scaled by (1 + 1e-5)",
-    "dist_drop_last_rank": "the last rank's contribution is missing from every gradient reduction",
-    "dist_rotate_all_gather": "all-gathers deliver the shards rotated by one rank (rank r's slot holds rank r+1's)",
-    "dist_stale_reduction": "the second gradient reduction of a given shape and dtype returns the first one's "
-                            "result (a stale buffer: at step 2 when each unit reduces once per step)",
-}
-# Faults of the training loop the harness drives around every implementation (neither in the
-# collectives nor in impl/): they act on any impl at any world size.
-LOOP_FAULTS: dict[str, str] = {
-    "lr_scheduler_stepped_twice": "the LR scheduler is stepped twice after every optimizer step, as a loop that "
-                                  "steps it beside an engine that steps it too",
-}
 SCALE = {"dist_scale_1e-5": 1e-5}
-NEVER_ACTED = "never acted"
+# The collective faults this seam plants (the catalog's "collective" layer, harness/faults.py).
+PLANTS = frozenset({*SCALE, "dist_drop_last_rank", "dist_rotate_all_gather", "dist_stale_reduction"})
 # Reductions whose result is a (weighted) sum: what a gradient reduction is. MAX / MIN (overflow
 # flags, norms of inf) are left alone.
 _SUMMING = (dist.ReduceOp.RedOpType.SUM, dist.ReduceOp.RedOpType.AVG, dist.ReduceOp.RedOpType.PREMUL_SUM)
@@ -74,12 +62,6 @@ COLLECTIVE_METHODS = {
 }
 
 
-def split_faults(faults: Iterable[str]) -> tuple[frozenset[str], frozenset[str]]:
-    """(faults planted inside impl/, collective-level faults); the loop's own are neither."""
-    faults = frozenset(faults)
-    return faults - set(DIST_FAULTS) - set(LOOP_FAULTS), faults & set(DIST_FAULTS)
-
-
 def scheduler_steps(faults: Iterable[str], scheduler, where: str) -> int:
     """How many times the loop steps the LR scheduler after an optimizer step: once, or twice with
     lr_scheduler_stepped_twice, which is an error where there is no scheduler to step."""
@@ -89,30 +71,6 @@ def scheduler_steps(faults: Iterable[str], scheduler, where: str) -> int:
         raise RuntimeError(f"{where}: fault lr_scheduler_stepped_twice {NEVER_ACTED}: the optimizer has no "
                            f"lr_scheduler (a case with one: lr_schedule)")
     return 2
-
-
-def check_faults(faults: Iterable[str], impls: Iterable[str], loop: bool = True) -> None:
-    """The one validation of requested fault names (run/gate --faults, fuzz --faults, mutants
-    --only): each is a collective fault (any implementation), a training-loop fault (run and gate:
-    `loop`), or a fault planted in impl/, which needs impl=ours among `impls`. PlanError (exit 2)
-    naming the known ones otherwise."""
-    from harness.adapters.ours import planted_faults
-
-    faults = frozenset(faults)
-    if not loop and faults & LOOP_FAULTS.keys():
-        raise PlanError(f"faults {sorted(faults & LOOP_FAULTS.keys())} act in the training loop of run and gate; "
-                        f"this verb drives its own loop")
-    impl_faults, _ = split_faults(faults)
-    known = planted_faults()
-    unknown = sorted(impl_faults - set(known))
-    if unknown:
-        raise PlanError(f"unknown fault(s) {unknown}; known: collective faults (any impl) {sorted(DIST_FAULTS)}, "
-                        f"training-loop faults (any impl, run and gate) {sorted(LOOP_FAULTS)}, "
-                        f"planted in impl/ (impl=ours) {sorted(known)}")
-    impls = tuple(impls)
-    if impl_faults and "ours" not in impls:
-        raise PlanError(f"faults {sorted(impl_faults)} are planted in impl/ and apply to --impls ours only, not "
-                        f"{','.join(impls)}; the collective faults {sorted(DIST_FAULTS)} apply to any implementation")
 
 
 def is_summing(opts) -> bool:
@@ -156,6 +114,8 @@ class CollectiveFaults:
 
     def __init__(self, faults: Iterable[str]) -> None:
         _, self.faults = split_faults(faults)
+        if self.faults - PLANTS:
+            raise ValueError(f"collective faults {sorted(self.faults - PLANTS)} have no seam here; it plants {sorted(PLANTS)}")
         self.acted = dict.fromkeys(sorted(self.faults), 0)
         self._first_results: dict[tuple, torch.Tensor] = {}
         self._calls_by_key: dict[tuple, int] = {}

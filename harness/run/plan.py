@@ -160,11 +160,11 @@ def check_world_size(size: int, flag: str, device: str = "cpu") -> None:
 def _cell_faults(faults: tuple[str, ...], impl: str, world_size: int) -> tuple[str, ...]:
     """impl/'s faults on impl=ours cells; collective faults on every cell with collectives (W > 1);
     the training loop's on every cell."""
-    from harness.run.dist_faults import LOOP_FAULTS, split_faults
+    from harness.faults import of_layer, split_faults
 
     impl_faults, collective_faults = split_faults(faults)
     return tuple(sorted((impl_faults if impl == "ours" else set()) | (collective_faults if world_size > 1 else set())
-                        | (set(faults) & LOOP_FAULTS.keys())))
+                        | (set(faults) & of_layer("loop").keys())))
 
 
 def _fault_copies(cells: list[Cell], fault_copies: tuple[str, ...]) -> list[Cell]:
@@ -272,7 +272,7 @@ def build_plan(
         if impl.split(":")[0].endswith(".py"):
             extra_paths.append(str(Path(impl.split(":")[0]).resolve().parent))
     if faults or fault_copies:
-        from harness.run.dist_faults import check_faults
+        from harness.faults import check_faults
 
         check_faults(faults + fault_copies, impls)
 

@@ -31,6 +31,7 @@ from cases.features import PLAIN
 from harness.adapters.features import apply_activation_checkpointing
 from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
+from harness.faults import of_layer
 from harness.run import dist_faults
 from harness.judge.diff import PARAM_UNIT_ROUNDOFF, ReferenceComparison, compare_with_reference, trajectory_envelope
 from harness.judge.contracts import active_contracts
@@ -327,7 +328,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     features = case.features
     adapter: Adapter = dist_faults.planted(resolve_impl(cell.impl), cell.faults)  # collective faults, if any
     ctx = world if adapter.needs_process_group else RankContext(0, 1, None, world.device)
-    ctx = replace(ctx, features=features, faults=frozenset(cell.faults) - dist_faults.LOOP_FAULTS.keys())
+    ctx = replace(ctx, features=features, faults=frozenset(cell.faults) - of_layer("loop").keys())
     if features.refused_wrap and adapter.refuses_cross_unit_ties:
         _check_refused_wrap(case, adapter, ctx)
     # names and structure; the values of the buffers, where they are not given
