@@ -1,20 +1,30 @@
 """The harness: is an FSDP implementation the same training run as the unsharded model?
 
-Layout (data flows down the list; `python -m harness VERB` enters through cli.py):
-    run/       plan -> launch (torchrun) -> worker (inside every rank) -> snapshot; outcome (what a
-               launch left), evidence (a snapshot checked against the plan), orchestrate (the parent's loop)
-    adapters/  base (the Adapter protocol), ours, fsdp2, fsdp1, ddp, deepspeed, single, registry (`--impls`
-               names), local_step (the forward/backward every rank runs)
+Layout (`python -m harness VERB` enters through cli.py; docs/architecture.md follows one run from a case
+to a report):
+    cli.py     the verbs and the one mapping of outcomes to exit codes; errors.py (the exceptions it maps),
+               pytest_plugin.py (the fsdp_equivalence fixture)
+    run/       plan -> orchestrate (the parent's loop) -> launch (torchrun; prefork forks the ranks, lifeline
+               ends them with the harness) -> rank (prologue, train_step) and worker (inside every rank) ->
+               judged (rank 0 judges as it trains) or snapshot; collectives (the collective ledger),
+               dist_faults (collective faults), evidence (a snapshot checked against the plan), outcome (what
+               a launch left), output (the output directory), batch_makeup, param_groups, isolated (checks
+               before any rank starts)
+    adapters/  base (the Adapter protocol), ours, fsdp2, fsdp1, deepspeed, ddp, single, features (a case's
+               Features onto an implementation), registry (`--impls` names), local_step (the
+               forward/backward every rank runs)
     reference/ tolerance (the error model), shadow (the unsharded replay): below run/ and judge/
-    judge/     diff (per-step checks), layouts, contracts, segments, verdict
-    report/    build (summary.json, csv), markdown, html, junit, environment
-    ci/        gate, baseline, bisect, mutants
+    judge/     checks/ (CHECKS: the registry of checks; base, buffers), diff (CellJudge: the per-step
+               checks), segments (batched per-tensor checks), layouts, contracts, result (Violation,
+               Verdict, Judgement), verdict (per-cell results, W x W matrices)
+    report/    build (summary.json, csv), view, markdown, html, plots, junit, environment
+    ci/        gate, baseline, bisect, bisect_step, mutants
     fuzz/      spec, pool (persistent ranks), worker (inside them), check, main
     bench/     main, worker (inside the ranks), live_memory
 
 [Note: Import walls] (tests/test_walls.py reads every module's imports and enforces these):
 1. judge/ and report/ read results; they import no process machinery (run/orchestrate, run/launch,
-   run/prefork, run/lifeline, fuzz/pool), no verb (cli, ci/) and no rank-side module.
+   run/prefork, run/lifeline, run/rank, fuzz/pool), no verb (cli, ci/) and no rank-side module.
 2. A rank-side module (run/worker, fuzz/worker, bench/worker: what torchrun runs with `-m`) is
    imported by no other module of the harness: the parent never imports a worker. (run/prefork,
    the launcher that forks ranks, imports the one its command line names, by name, in its own
