@@ -32,7 +32,7 @@ def pytest_addoption(parser):
 
 # -- progress and expected duration of each tier -------------------------------------------------
 # Measured with -n 2 on the project's 2-core VM (`CI=true bash .ci/run` in a fresh clone at be1edc9:
-# README "Measured figures"), rounded up. The slow tests run for minutes between dots, so a line
+# docs/measured.md), rounded up. The slow tests run for minutes between dots, so a line
 # every PROGRESS_EVERY_S seconds says how far the run is. A command that names test files runs an
 # unknown share of a tier: it gets progress lines, no expectation.
 EXPECTED_MINUTES = {"default": 4, "extended": 12, "all": 16}
@@ -53,7 +53,7 @@ class _Progress:
             tier = selected_tier(self.config)
             terminal.write_line(f"tier {tier} ({TIER_TEXT[tier]}): "
                                 + self.expected("expected about {} min with -n 2 on a quiet 2-core machine, longer "
-                                                "when it is shared (README: Measured figures); ")
+                                                "when it is shared (docs/measured.md); ")
                                 + f"a progress line every {PROGRESS_EVERY_S:.0f} s")
 
     def pytest_collection_finish(self, session) -> None:

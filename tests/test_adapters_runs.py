@@ -2,7 +2,7 @@
 
 - `fsdp1` (FULL_SHARD) exposing its raw shards passes, its gradient padding compared;
 - `fsdp1_hybrid` at W = 2 is HYBRID_SHARD on a (2, 1) mesh, which FSDP1 turns into NO_SHARD and
-  then reduces within one-rank groups (the upstream finding in the README): with identical data
+  then reduces within one-rank groups (the upstream finding in docs/findings.md): with identical data
   on both ranks every gradient comes back exactly half the mean; with split data each rank keeps
   its own local gradient;
 - an adapter whose layout of one parameter is one element off is an error naming the parameter.

@@ -29,7 +29,14 @@ def registry_problems(checks: tuple[Check, ...]) -> list[str]:
             continue
         text = source.read_text()
         for function in (f.strip() for f in functions.split(",") if f.strip()):
-            if not re.search(rf"^\s*def {re.escape(function.rsplit('.', 1)[-1])}\(", text, re.M):
+            owner, _, name = function.rpartition(".")
+            body = text
+            if owner:  # a method: looked for in its class's body only
+                start = re.search(rf"^class {re.escape(owner)}\b", text, re.M)
+                after = "" if start is None else text[text.index("\n", start.end()) + 1:]
+                end = re.search(r"^\S", after, re.M)  # the next top-level line ends the class
+                body = after[:end.start()] if end else after
+            if not re.search(rf"^\s*def {re.escape(name)}\(", body, re.M):
                 out.append(f"{c.name}: {path} defines no {function}")
     return out
 
@@ -51,6 +58,7 @@ PLANTED = [
     (lambda checks: checks + (checks[0],), "registered twice"),
     (lambda checks: (replace(checks[3], where="harness/judge/checks/nowhere.py"),) + checks[4:], "does not exist"),
     (lambda checks: (replace(checks[3], where="harness/judge/diff.py CellJudge.no_such_check"),), "defines no"),
+    (lambda checks: (replace(checks[4], where="harness/judge/diff.py CellJudge.step_flat"),), "defines no"),
 ]
 
 

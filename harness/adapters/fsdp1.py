@@ -15,7 +15,7 @@ is declared UNSPECIFIED; gradient padding is zero.
 
 At W = 2 `fsdp1_hybrid` is a (2, 1) mesh: FSDP1 turns HYBRID_SHARD with a shard group of one
 rank into NO_SHARD and then reduces gradients only within that one-rank group (the known upstream
-finding, README "Findings").
+finding, docs/findings.md).
 """
 
 from __future__ import annotations
