@@ -112,7 +112,7 @@ import torch.nn as nn
 
 from impl._faults import Seams
 from impl._collectives import CommStats, all_gather_into, all_reduce_sum, reduce_scatter_sum
-from impl._flat_param import FlatLayout, flatten_padded, shard_of, unflatten_views, zero_padding_
+from impl._flat_param import FlatLayout, flatten_padded, unflatten_views, zero_padding_
 
 
 class HandleState(Enum):
@@ -415,9 +415,6 @@ class FlatParamHandle:
             leaf.untyped_storage().resize_(0)
         self.state = HandleState.SHARDED
 
-    def free_views(self) -> None:
-        self._views = []
-
     # -- gradients -----------------------------------------------------------------------------
     def _view_grad_ready(self, slot_index: int, view: torch.Tensor) -> None:
         """Keep one view's gradient as its slot's, or add it into the slot's, and drop it."""
@@ -563,17 +560,6 @@ class FlatParamHandle:
         """Full (unpadded) tensors of every slot from this rank's shard of the flat parameter
         (or of `sharded`, e.g. its gradient), in the sharded dtype; a collective."""
         return gather_full_many([(self, self.sharded.detach() if sharded is None else sharded)])[0]
-
-    def load_full(self, full_tensors: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            local = self.init_sharded_from(
-                [t.to(self.sharded.dtype) for t in full_tensors]
-            )
-            self.sharded.copy_(local.to(self.sharded.device))
-        self.reshard()
-
-    def local_shard_view(self, padded: torch.Tensor) -> torch.Tensor:
-        return shard_of(padded, self.layout, self.comm.shard_rank)
 
 
 GATHER_BUCKET_BYTES = 64 * 2**20  # most bytes one rank sends in one all-gather of gather_full_many
