@@ -2,8 +2,9 @@
 
 Layout (`python -m harness VERB` enters through cli.py; docs/architecture.md follows one run from a case
 to a report):
-    cli.py     the verbs and the one mapping of outcomes to exit codes; errors.py (the exceptions it maps),
-               pytest_plugin.py (the fsdp_equivalence fixture)
+    cli.py     the parser of every verb and the one mapping of outcomes to exit codes; errors.py (the
+               exceptions it maps), faults.py (the fault catalog), pytest_plugin.py (the fsdp_equivalence fixture)
+    verbs/     one module per verb (run, gate, baseline, bisect, list, bench, fuzz, mutants), registered once
     run/       plan -> orchestrate (the parent's loop) -> launch (torchrun; prefork forks the ranks, lifeline
                ends them with the harness) -> rank (prologue, train_step) and worker (inside every rank) ->
                judged (rank 0 judges as it trains) or snapshot; collectives (the collective ledger),

@@ -2,7 +2,9 @@
 the output directory use them without importing torch).
 
 Library code raises `UserError` (or a subclass) with one line that names the input and the fix
-(exit 2), and `PoolLost` when the infrastructure took a rank away (exit 1, one line).
+(exit 2), `VerbFailed` when a verb could not reach its result (exit 1, one line), `CannotTest` when
+the project does not import (exit 125), and `PoolLost` when the infrastructure took a rank away
+(exit 1, one line).
 """
 
 from __future__ import annotations
@@ -14,6 +16,19 @@ class UserError(ValueError):
 
 class PlanError(UserError):
     """A bad request (unknown name, impossible combination, duplicate implementation name)."""
+
+
+class UsageError(UserError):
+    """A mistake on the command line (a flag argparse refuses, an empty --out): exit 2, printed as
+    it is (its message names the command)."""
+
+
+class CannotTest(Exception):
+    """The project itself does not import: nothing can be tested (exit 125)."""
+
+
+class VerbFailed(Exception):
+    """A verb ran and could not reach its result, for the reason it names (exit 1, one line)."""
 
 
 class PoolLost(BaseException):

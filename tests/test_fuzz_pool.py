@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -162,3 +163,7 @@ def test_the_cli_runs_pools_side_by_side_and_says_so(tmp_path):
     assert "6 examples (shrinking included)" in proc.stdout and "2 pool(s) side by side" in proc.stdout
     assert "PASS: 6 examples, none failing" in proc.stdout
     assert (tmp_path / "logs" / "pool-0").is_dir() and (tmp_path / "logs" / "pool1-0").is_dir()
+    # the figures the lines print, unrounded, for the bench (harness/bench/main.py fuzz_rate)
+    stats = json.loads((tmp_path / "fuzz_stats.json").read_text())
+    assert (stats["examples"], stats["pools"], stats["world_size"], stats["failures"]) == (6, 2, 2, 0)
+    assert f"in {stats['wall_s']:.1f}s = {stats['examples_per_s']:.1f} examples/s" in proc.stdout

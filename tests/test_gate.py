@@ -14,7 +14,8 @@ from judged import assert_judged
 from scratch_repo import REPO, harness
 
 sys.path.insert(0, str(REPO))
-from harness.cli import _plan_from_args, build_parser  # noqa: E402
+from harness.cli import build_parser  # noqa: E402
+from harness.verbs.common import plan_from_args  # noqa: E402
 
 PLUGINS = "tests/test_harness_plugins.py"
 
@@ -31,10 +32,10 @@ def _junit(out: Path) -> dict[str, ET.Element]:
 
 def test_default_gate_covers_w_1_2_4_both_data_modes_and_full_adds_8(tmp_path):
     args = build_parser().parse_args(["gate", "--out", str(tmp_path)])
-    plan = _plan_from_args(args)
+    plan = plan_from_args(args)
     assert plan.world_sizes == (1, 2, 4)
     assert {c.data_mode for c in plan.cells} == {"identical", "split"}
-    full = _plan_from_args(build_parser().parse_args(["gate", "--full", "--out", str(tmp_path)]))
+    full = plan_from_args(build_parser().parse_args(["gate", "--full", "--out", str(tmp_path)]))
     assert full.world_sizes == (1, 2, 4, 8)
 
 

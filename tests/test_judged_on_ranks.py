@@ -18,6 +18,7 @@ from harness.judge.result import first_of
 from harness.judge.verdict import evaluate
 from harness.run.orchestrate import run_plan
 from harness.run.plan import build_plan
+from harness.verbs.common import plan_from_args
 from harness.run.snapshot import judged_path, load_judged, snapshot_path
 
 CASES = ("mlp", "uneven_tiny")
@@ -133,10 +134,10 @@ def test_auto_judges_big_models_on_the_ranks_unless_the_snapshots_are_asked_for(
 
     monkeypatch.setattr(plan_module, "JUDGE_ON_RANKS_FROM", 5000)  # mlp (1017) below it, transformer (9648) above
     args = ["run", "--cases", "mlp,transformer", "--impls", "ours", "--world-sizes", "2", "--out", str(tmp_path / "o")]
-    assert cli._plan_from_args(cli.build_parser().parse_args(args)).judged_on_ranks == ("transformer",)
-    kept = cli._plan_from_args(cli.build_parser().parse_args(args + ["--keep-evidence"]))
+    assert plan_from_args(cli.build_parser().parse_args(args)).judged_on_ranks == ("transformer",)
+    kept = plan_from_args(cli.build_parser().parse_args(args + ["--keep-evidence"]))
     assert kept.judged_on_ranks == ()
-    forced = cli._plan_from_args(cli.build_parser().parse_args(args + ["--keep-evidence", "--judge-on", "ranks"]))
+    forced = plan_from_args(cli.build_parser().parse_args(args + ["--keep-evidence", "--judge-on", "ranks"]))
     assert forced.judged_on_ranks == ("mlp", "transformer")
 
 

@@ -19,7 +19,7 @@ PACKAGES = ("harness", "cases", "impl")
 
 # Wall 1: what the judge and the reports, which read results, never import.
 MACHINERY = ("harness.run.orchestrate", "harness.run.launch", "harness.run.prefork", "harness.run.lifeline",
-             "harness.run.rank", "harness.fuzz.pool", "harness.cli", "harness.ci")
+             "harness.run.rank", "harness.fuzz.pool", "harness.cli", "harness.verbs", "harness.ci")
 READERS = ("harness.judge", "harness.report")
 # Wall 2: the modules torchrun runs inside every rank (`-m`); no other module imports them.
 RANK_SIDE = ("harness.run.worker", "harness.fuzz.worker", "harness.bench.worker")
@@ -33,7 +33,7 @@ PACKAGE_IMPORTS = {"impl": ("impl",), "cases": ("cases",), "harness": PACKAGES}
 # Wall 7: the parent side reads fault names from the catalog (harness/faults.py), never from the
 # seam that plants collective and loop faults inside the ranks.
 FAULT_SEAM = "harness.run.dist_faults"
-PARENT_SIDE = ("harness.cli", "harness.ci", "harness.fuzz.main", "harness.run.plan", "harness.run.orchestrate",
+PARENT_SIDE = ("harness.cli", "harness.verbs", "harness.ci", "harness.fuzz.main", "harness.run.plan", "harness.run.orchestrate",
                "harness.run.launch", "harness.report", "harness.judge")
 LAYER_IMPORTS = {
     "harness.adapters": ("harness.adapters", "harness.errors"),
@@ -174,7 +174,7 @@ def test_the_scan_sees_the_imports_the_walls_are_about():
     assert ("impl", None) in seen  # `import impl` inside a method
     seen = {(i.module, i.name) for i in imports_of("harness.judge.verdict", sources["harness.judge.verdict"], modules)}
     assert ("harness.run.outcome", "RunOutcome") in seen
-    seen = {(i.module, i.name) for i in imports_of("harness.cli", sources["harness.cli"], modules)}
+    seen = {(i.module, i.name) for i in imports_of("harness.verbs.run", sources["harness.verbs.run"], modules)}
     assert ("harness.run.orchestrate", "run_plan") in seen  # a lazy import inside a function
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import resource
 import shutil
 import subprocess
@@ -281,16 +280,6 @@ def harness_throughput(cfg: BenchConfig, work: Path) -> dict:
 
 FUZZ_WORLD_SIZE = 4
 FUZZ_EXAMPLES = 200  # enough for `--pools auto` to run pools side by side (harness/fuzz/main.py)
-FUZZ_RATE = re.compile(r"^\[fuzz\] impl=ours W=(\d+) .*: (\d+) examples \(shrinking included\) in ([0-9.]+)s = "
-                       r"([0-9.]+) examples/s; pool start-up ([0-9.]+)s.*, (\d+) pool\(s\) side by side$",
-                       re.MULTILINE)
-
-
-FUZZ_PER_EXAMPLE = re.compile(r"^\[fuzz\] per example: ([0-9.]+) ms of the run's wall time; its ranks train it for "
-                              r"([0-9.]+) ms", re.MULTILINE)
-FUZZ_CPU = re.compile(r"^\[fuzz\] CPU per example: ([0-9.]+) ms \(([0-9.]+) ms here, ([0-9.]+) ms in the", re.MULTILINE)
-
-
 def fuzz_rate(cfg: BenchConfig, work: Path) -> dict:
     """`python -m harness fuzz` at W = FUZZ_WORLD_SIZE, as a user runs it: examples per second
     after the pool's start-up (the line the fuzzer prints), the start-up itself, the ranks' share
@@ -298,24 +287,23 @@ def fuzz_rate(cfg: BenchConfig, work: Path) -> dict:
     costs at that world size (a launch of its own): the floor an example's collectives put under it."""
     cmd = [sys.executable, "-m", "harness", "fuzz", "--world-size", str(FUZZ_WORLD_SIZE), "--max-examples",
            str(FUZZ_EXAMPLES), "--threads", str(cfg.threads), "--out", str(work / "fuzz")]
+    from harness.fuzz.main import STATS_FILE
+
+    stats_file = work / "fuzz" / STATS_FILE
+    stats_file.unlink(missing_ok=True)
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=cfg.timeout_s)
-    match = FUZZ_RATE.search(proc.stdout)
-    if proc.returncode != 0 or match is None:
-        raise BenchError(f"harness fuzz exited {proc.returncode} without its rate line:\n"
+    if proc.returncode != 0 or not stats_file.is_file():
+        raise BenchError(f"harness fuzz exited {proc.returncode} without its statistics ({stats_file}):\n"
                          f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    per_example = FUZZ_PER_EXAMPLE.search(proc.stdout)
-    cpu = FUZZ_CPU.search(proc.stdout)
+    fuzz = json.loads(stats_file.read_text())
     torchrun(FUZZ_WORLD_SIZE, ["harness.bench.worker", "collectives", "--iters", "200",
                                "--out", str(work / "collectives.json")], cfg.threads, cfg.timeout_s, work / "collectives")
     ranks = json.loads((work / "collectives.json").read_text())["ranks"]
-    return {"fuzz_world_size": int(match.group(1)), "fuzz_examples": int(match.group(2)),
-            "fuzz_s": float(match.group(3)), "fuzz_examples_per_s": float(match.group(4)),
-            "fuzz_start_up_s": float(match.group(5)), "fuzz_pools": int(match.group(6)),
-            "fuzz_example_ms": float(per_example.group(1)) if per_example else None,
-            "fuzz_ranks_ms": float(per_example.group(2)) if per_example else None,
-            "fuzz_cpu_ms": float(cpu.group(1)) if cpu else None,
-            "fuzz_parent_cpu_ms": float(cpu.group(2)) if cpu else None,
-            "fuzz_ranks_cpu_ms": float(cpu.group(3)) if cpu else None,
+    return {"fuzz_world_size": fuzz["world_size"], "fuzz_examples": fuzz["examples"], "fuzz_s": fuzz["wall_s"],
+            "fuzz_examples_per_s": fuzz["examples_per_s"], "fuzz_start_up_s": fuzz["start_up_s"],
+            "fuzz_pools": fuzz["pools"], "fuzz_example_ms": fuzz["example_ms"], "fuzz_ranks_ms": fuzz["ranks_ms"],
+            "fuzz_cpu_ms": fuzz["cpu_ms"], "fuzz_parent_cpu_ms": fuzz["parent_cpu_ms"],
+            "fuzz_ranks_cpu_ms": fuzz["ranks_cpu_ms"],
             "all_gather_ms": 1e3 * max(r["all_gather_s"] for r in ranks),
             "reduce_scatter_ms": 1e3 * max(r["reduce_scatter_s"] for r in ranks)}
 

@@ -9,6 +9,7 @@ numel lands below W, at W*k - 1, W*k, W*k + 1 or on a prime.
 
 from __future__ import annotations
 
+import json
 import collections
 import functools
 import shlex
@@ -167,6 +168,24 @@ def cpu_line(stats: FuzzStats, world_size: int, cores: int) -> str:
     cpu_ms = (stats.cpu_s + stats.ranks_cpu_s) * per
     return (f"[fuzz] CPU per example: {cpu_ms:.0f} ms ({stats.cpu_s * per:.0f} ms here, {stats.ranks_cpu_s * per:.0f} ms "
             f"in the {world_size} ranks); on {cores} cores at most {cores * 1e3 / max(cpu_ms, 1e-9):.1f} examples/s")
+
+
+STATS_FILE = "fuzz_stats.json"
+
+
+def write_stats(out_dir: Path, impl: str, world_size: int, stats: FuzzStats, wall_s: float, start_up_s: float,
+                pools: int) -> None:
+    """The run's figures, as the lines it prints give them (unrounded), in `out_dir`/STATS_FILE:
+    what the bench reads (harness/bench/main.py fuzz_rate)."""
+    n = stats.num_examples
+    per = 1e3 / n if n else float("nan")
+    figures = {"impl": impl, "world_size": world_size, "examples": n, "wall_s": wall_s,
+               "examples_per_s": n / max(wall_s, 1e-9), "start_up_s": start_up_s, "pools": pools,
+               "example_ms": stats.example_s * per, "ranks_ms": stats.rank_s * per,
+               "cpu_ms": (stats.cpu_s + stats.ranks_cpu_s) * per, "parent_cpu_ms": stats.cpu_s * per,
+               "ranks_cpu_ms": stats.ranks_cpu_s * per, "failures": len(stats.failures)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / STATS_FILE).write_text(json.dumps(figures, indent=1) + "\n")
 
 
 class _Falsified(AssertionError):
@@ -374,14 +393,14 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
     parent_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with OutputDir(out_dir, uuid.uuid4().hex, ("logs",)):  # owned and locked: pool logs of one run only
-            return _main(config, spec, max_examples, seed, faults, progress, impl, pools)
+        with OutputDir(out_dir, uuid.uuid4().hex, ("logs", STATS_FILE)):  # owned and locked: one run's logs and figures
+            return _main(config, spec, max_examples, seed, faults, progress, impl, pools, out_dir)
     finally:
         torch.set_num_threads(parent_threads)
 
 
 def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: int, faults: tuple[str, ...],
-          progress: bool, impl: str, pools: int) -> bool:
+          progress: bool, impl: str, pools: int, out_dir: Path) -> bool:
     world_size = config.world_size
     with PoolGroup(config, 1 if spec is not None else pools) as pool:
         # The first example pays for lazy imports and kernel set-up in every rank: start-up, not rate.
@@ -418,6 +437,7 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
         restarts = pool.num_starts - pool.size
         exit_error = _close(pool)
     rate = stats.num_examples / max(wall, 1e-9)
+    write_stats(out_dir, impl, world_size, stats, wall, start_s, pool.size)
     print(f"[fuzz] impl={impl} W={world_size} seed={seed} faults={list(faults)}: {stats.num_examples} examples "
           f"(shrinking included) in {wall:.1f}s = {rate:.1f} examples/s; pool start-up {start_s:.1f}s "
           f"paid once, {restarts} restart(s) after failing examples, {pool.size} pool(s) side by side")
