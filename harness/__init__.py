@@ -20,7 +20,8 @@ to a report):
                Verdict, Judgement), verdict (per-cell results, W x W matrices)
     report/    build (summary.json, csv), view, markdown, html, plots, junit, environment
     ci/        gate, baseline, bisect, bisect_step, mutants
-    fuzz/      spec, pool (persistent ranks), worker (inside them), check, main
+    fuzz/      spec, strategies (public hypothesis strategies), search, pool (persistent ranks), worker (inside
+               them), check, main (the run the verb starts)
     bench/     main, worker (inside the ranks), live_memory
 
 [Note: Import walls] (tests/test_walls.py reads every module's imports and enforces these):

@@ -9,8 +9,8 @@ touch the test process) into a directory of the test's own `tmp_path`, which kee
 failing cell's first divergence (no traceback); a mistake in the arguments fails it with the
 harness's one-line message. The call returns the run's `summary.json` as a dict.
 
-Hypothesis strategies for a user's own property tests: `harness.fuzz.main.model_specs(world_size)`
-draws whole models (harness/fuzz/spec.py), `harness.fuzz.main.target_numels` flat sizes on the
+Hypothesis strategies for a user's own property tests: `harness.fuzz.strategies.model_specs(world_size)`
+draws whole models (harness/fuzz/spec.py), `harness.fuzz.strategies.target_numels` flat sizes on the
 padding edges.
 """
 

@@ -85,7 +85,7 @@ def test_the_bench_reads_the_fuzzers_cpu_line_and_bounds_the_rates_by_it():
     bound out silently), and the bounds are cores / CPU: the matrix's CPU over the cores against its
     wall time and the floor, examples/s at most cores / CPU per example."""
     from harness.bench.main import FUZZ_CPU, render_markdown
-    from harness.fuzz.main import FuzzStats, cpu_line
+    from harness.fuzz.search import FuzzStats, cpu_line
 
     stats = FuzzStats(num_examples=40, cpu_s=1.2, ranks_cpu_s=8.4)  # 30 + 210 ms per example
     line = cpu_line(stats, 4, 2)

@@ -11,7 +11,8 @@ import torch
 import hypothesis
 from hypothesis import Phase, example, find, given, settings
 
-from harness.fuzz.main import fuzz, model_specs, warm_up_spec
+from harness.fuzz.search import fuzz
+from harness.fuzz.strategies import model_specs, warm_up_spec
 from harness.fuzz.check import ExampleResult, run_example
 from harness.fuzz.spec import ModelSpec, as_case, build_model, describe, init_state, wrap_paths
 from harness.fuzz.worker import run_example as rank_run_example
@@ -364,7 +365,7 @@ def test_a_fuzz_run_whose_every_model_is_refused_judges_nothing_and_is_not_a_pas
 def test_the_fuzzer_draws_no_0d_parameter_for_an_implementation_that_refuses_them():
     """torch FSDP2 refuses 0-d parameters at wrap: drawn for it, such models were most of what it
     drew (32 refused for 6 run at W = 2); now it draws none, and ours still draws them."""
-    from harness.fuzz.main import specs_for
+    from harness.fuzz.strategies import specs_for
 
     def has_gain(spec):
         return any(p.dim() == 0 for p in build_model(spec).parameters())
@@ -385,7 +386,8 @@ def _sequential_order(world_size: int, max_examples: int, seed: int, pool=None) 
     side by side), each judged through `pool` when one is given (none: every example passes)."""
     from hypothesis import seed as hypothesis_seed
 
-    from harness.fuzz.main import _fuzz_settings, specs_for
+    from harness.fuzz.search import _fuzz_settings
+    from harness.fuzz.strategies import specs_for
 
     seen = []
 

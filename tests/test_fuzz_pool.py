@@ -54,7 +54,7 @@ NUM_EXAMPLES = 16
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_honest_examples_through_the_rank_pool_pass_and_reach_every_padding_edge(tmp_path, world_size):
-    from harness.fuzz.main import format_failure, fuzz
+    from harness.fuzz.search import format_failure, fuzz
     from harness.fuzz.pool import PoolConfig, RankPool
 
     results = []
@@ -93,7 +93,7 @@ def test_a_rank_failing_at_exit_leaves_no_verdict_though_every_example_passed(tm
 @pytest.mark.slow
 def test_a_rank_hanging_at_exit_is_named_with_its_stack_and_killed(tmp_path):
     from harness.fuzz.check import run_example
-    from harness.fuzz.main import warm_up_spec
+    from harness.fuzz.strategies import warm_up_spec
     from harness.fuzz.pool import PoolConfig, PoolExitError, RankPool
 
     pool = RankPool(PoolConfig(2, tmp_path / "logs", exit_grace_s=3.0))
@@ -115,7 +115,7 @@ def test_pools_side_by_side_train_an_example_to_the_same_bits_and_a_failure_rest
     does not matter which pool judges it); a rank raising in one pool errors that example alone,
     the other pool's example passes beside it, and the failed pool starts again for the next."""
     from harness.fuzz.check import finish_example, start_example
-    from harness.fuzz.main import warm_up_spec
+    from harness.fuzz.strategies import warm_up_spec
     from harness.fuzz.pool import PoolConfig, PoolGroup
     from harness.fuzz.spec import init_state
     from harness.judge.layouts import same_bits

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from harness.judge.diff import ReferenceDiverged, check_snapshot
-from harness.fuzz.main import OPTIMIZERS
+from harness.fuzz.strategies import OPTIMIZERS
 from harness.fuzz.check import assemble_snapshot
 from harness.fuzz.spec import BlockSpec, ModelSpec, as_case, init_state
 from harness.fuzz.worker import run_example

@@ -11,7 +11,7 @@ import torch
 from harness.fuzz.check import assemble_snapshot
 from harness.judge.diff import check_snapshot
 from harness.fuzz.spec import BlockSpec, ModelSpec, as_case, init_state
-from harness.fuzz.main import OPTIMIZERS
+from harness.fuzz.strategies import OPTIMIZERS
 from harness.fuzz.worker import run_example
 from harness.run.snapshot import decode, encode
 from harness.adapters import RankContext, RawShard

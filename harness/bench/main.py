@@ -287,7 +287,7 @@ def fuzz_rate(cfg: BenchConfig, work: Path) -> dict:
     costs at that world size (a launch of its own): the floor an example's collectives put under it."""
     cmd = [sys.executable, "-m", "harness", "fuzz", "--world-size", str(FUZZ_WORLD_SIZE), "--max-examples",
            str(FUZZ_EXAMPLES), "--threads", str(cfg.threads), "--out", str(work / "fuzz")]
-    from harness.fuzz.main import STATS_FILE
+    from harness.fuzz.search import STATS_FILE
 
     stats_file = work / "fuzz" / STATS_FILE
     stats_file.unlink(missing_ok=True)
