@@ -80,19 +80,22 @@ def test_a_partial_bench_names_its_parts_in_the_command_it_prints():
     assert "Step time" not in text and "| batched: one torchrun for every world size |" in text
 
 
-def test_the_bench_reads_the_fuzzers_cpu_line_and_bounds_the_rates_by_it():
-    """The line the fuzzer prints is the one the bench parses (a drifted format would leave the
-    bound out silently), and the bounds are cores / CPU: the matrix's CPU over the cores against its
-    wall time and the floor, examples/s at most cores / CPU per example."""
-    from harness.bench.main import FUZZ_CPU, render_markdown
-    from harness.fuzz.search import FuzzStats, cpu_line
+def test_the_bench_reads_the_fuzzers_figures_and_bounds_the_rates_by_them(tmp_path):
+    """The figures the fuzzer prints are the ones it writes for the bench (harness/fuzz/search.py
+    write_stats; the bench reads the file, not the lines), and the bounds are cores / CPU: the
+    matrix's CPU over the cores against its wall time and the floor, examples/s at most cores / CPU
+    per example."""
+    from harness.bench.main import render_markdown
+    from harness.fuzz.search import STATS_FILE, FuzzStats, cpu_line, write_stats
 
     stats = FuzzStats(num_examples=40, cpu_s=1.2, ranks_cpu_s=8.4)  # 30 + 210 ms per example
     line = cpu_line(stats, 4, 2)
-    match = FUZZ_CPU.search("[fuzz] per example: ...\n" + line + "\n")
-    assert match is not None, line
-    assert [float(g) for g in match.groups()] == [240.0, 30.0, 210.0]
+    assert line.startswith("[fuzz] CPU per example: 240 ms (30 ms here, 210 ms in the 4 ranks)"), line
     assert line.endswith("on 2 cores at most 8.3 examples/s")
+    write_stats(tmp_path, "ours", 4, stats, 7.0, 7.0, 1)
+    figures = json.loads((tmp_path / STATS_FILE).read_text())
+    assert [figures[k] for k in ("cpu_ms", "parent_cpu_ms", "ranks_cpu_ms")] == pytest.approx([240.0, 30.0, 210.0])
+    assert (figures["examples"], figures["world_size"], figures["pools"]) == (40, 4, 1)
 
     throughput = {"bare_launch_floor_s": 30.0, "batched_s": 45.0, "per_cell_s": 270.0, "batched_ratio_vs_floor": 1.5,
                   "per_cell_ratio_vs_batched": 6.0, "matrix": "m", "cores": 2, "floor_cpu_s": 40.0,
