@@ -56,14 +56,14 @@ def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer |
     flats = _flat_params(model)
     if not flats:
         raise ValueError("save_sharded_checkpoint: model has no fully_shard units")
-    rank, world_size = flats[0][1].comm.shard_rank, flats[0][1].comm.shard_world_size
+    rank, world_size = flats[0][1].comm.groups.shard_rank, flats[0][1].comm.groups.shard_world_size
     payload: dict[str, torch.Tensor] = {}
     for name, handle in flats:
         payload[name] = handle.sharded.detach().clone()
         if optimizer is not None:
             payload.update(_optimizer_payload(name, handle, optimizer))
     # Under HSDP every replica holds the same shards: the first replica writes them.
-    replicate_group = flats[0][1].comm.replicate_group
+    replicate_group = flats[0][1].comm.groups.replicate_group
     is_writer = replicate_group is None or dist.get_rank(replicate_group) == 0
     if is_writer:
         _atomic_save(payload, path / f"rank{rank}.pt")
@@ -127,7 +127,7 @@ def _reshard(full_aligned: torch.Tensor, handle) -> torch.Tensor:
     layout = handle.layout
     padded = torch.zeros(layout.padded_numel, dtype=full_aligned.dtype)
     padded[: layout.aligned_numel] = full_aligned
-    start, end = layout.shard_bounds(handle.comm.shard_rank)
+    start, end = layout.shard_bounds(handle.comm.groups.shard_rank)
     return padded[start:end].clone().to(handle.sharded.device)
 
 

@@ -30,9 +30,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
             grad = handle.sharded_grad  # the pieces' gradients are slices of it
             if grad is None:
                 continue
-            if group is not None and handle.comm.shard_group is not group:
+            if group is not None and handle.comm.groups.shard_group is not group:
                 raise ValueError("clip_grad_norm_: units shard over different process groups")
-            group = handle.comm.shard_group
+            group = handle.comm.groups.shard_group
             sharded.append(grad)
     replicated = [p.grad for p in model.parameters() if id(p) not in held and p.grad is not None]
     grads = sharded + replicated

@@ -153,7 +153,7 @@ class _LastRank(_Planted):
 
     @staticmethod
     def on_last_rank(comm) -> bool:
-        return comm.shard_rank == comm.shard_world_size - 1
+        return comm.groups.shard_rank == comm.groups.shard_world_size - 1
 
 
 class _DropLastRankGrad(_LastRank):
@@ -191,7 +191,7 @@ class _ReplicaGradDrift(_Planted):
     def averaged(self, sharded_grad, handle, comm):
         import torch.distributed as dist
 
-        if comm.replicate_group is not None and dist.get_rank(comm.replicate_group) == 1:
+        if comm.groups.replicate_group is not None and dist.get_rank(comm.groups.replicate_group) == 1:
             sharded_grad.mul_(1 + 1e-3)
         return sharded_grad
 

@@ -121,23 +121,38 @@ class HandleState(Enum):
 
 
 @dataclass(frozen=True)
-class CommConfig:
-    """How one flat parameter communicates. Built by fully_shard, shared by a unit's handles."""
+class ShardGroups:
+    """Whom a flat parameter is sharded over and replicated across (HSDP), and where this rank is."""
 
     shard_group: dist.ProcessGroup | None  # None: W_shard = 1
     replicate_group: dist.ProcessGroup | None  # None: no replication (HSDP / NO_SHARD only)
     shard_rank: int
     shard_world_size: int
     replicate_world_size: int
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
-    stats: CommStats | None
-    compute_device: torch.device | None = None  # set by CPU offload: shards live on the CPU
-    seams: Seams = field(default_factory=Seams)  # planted faults' hook objects (impl/_faults.py)
 
     @property
     def data_parallel_size(self) -> int:
         return self.shard_world_size * self.replicate_world_size
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes a flat parameter computes and reduces in (None: its own)."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """How one flat parameter communicates, by concern. Built by fully_shard, shared by a unit's
+    handles."""
+
+    groups: ShardGroups
+    precision: Precision = Precision()
+    compute_device: torch.device | None = None  # set by CPU offload: shards live on the CPU
+    stats: CommStats | None = None  # collective counts and bytes, when the caller asked for them
+    seams: Seams = field(default_factory=Seams)  # planted faults' hook objects (impl/_faults.py)
 
 
 class FlatParamHandle:
@@ -181,7 +196,7 @@ class FlatParamHandle:
         # [Note: Per-parameter shards]: this rank's shard (shard_numel,) and, per slot, the piece of
         # it the optimizer steps, registered under the parameter's names by fully_shard.
         self._sharded = sharded
-        self.local_bounds = layout.local_slot_bounds(comm.shard_rank)
+        self.local_bounds = layout.local_slot_bounds(comm.groups.shard_rank)
         self.pieces = [nn.Parameter(sharded[a:b], requires_grad=requires_grad) for a, b in self.local_bounds]
         self._sharded_grad: torch.Tensor | None = None  # the shard gradient the pieces' gradients slice
 
@@ -242,11 +257,11 @@ class FlatParamHandle:
     def _aliased(self) -> bool:
         c = self.comm
         return (
-            c.shard_world_size == 1
-            and c.replicate_group is None
+            c.groups.shard_world_size == 1
+            and c.groups.replicate_group is None
             and c.compute_device in (None, self.sharded.device)
-            and c.param_dtype in (None, self.sharded.dtype)
-            and c.reduce_dtype in (None, self.sharded.dtype)
+            and c.precision.param_dtype in (None, self.sharded.dtype)
+            and c.precision.reduce_dtype in (None, self.sharded.dtype)
         )
 
     @property
@@ -262,7 +277,7 @@ class FlatParamHandle:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.comm.param_dtype or self.sharded.dtype
+        return self.comm.precision.param_dtype or self.sharded.dtype
 
     def assert_state(self, *allowed: HandleState) -> None:
         assert self.state in allowed, f"{self.fqns}: state {self.state} not in {allowed}"
@@ -275,13 +290,13 @@ class FlatParamHandle:
         """This rank's shard of a padded unsharded buffer whose padding is zero: a fresh tensor,
         or (fresh=False, for a caller that copies it at once) a view when nothing alters it."""
         seams = self.comm.seams
-        (start, end), padded = seams.shard_bounds(self.layout.shard_bounds(self.comm.shard_rank), padded)
+        (start, end), padded = seams.shard_bounds(self.layout.shard_bounds(self.comm.groups.shard_rank), padded)
         if not fresh and not seams.planted:
             return padded[start:end]
         local = padded[start:end].clone()
         fill = seams.init_padding_value(0.0)
         if fill != 0.0:
-            for pad_start, pad_end in self.layout.local_padding_intervals(self.comm.shard_rank):
+            for pad_start, pad_end in self.layout.local_padding_intervals(self.comm.groups.shard_rank):
                 local[pad_start:pad_end] = fill
         return local
 
@@ -335,7 +350,7 @@ class FlatParamHandle:
             sharded = self.sharded.detach()
             if sharded.dtype != leaf.dtype or sharded.device != leaf.device:
                 sharded = self.comm.seams.cast_for_gather(sharded.to(device=leaf.device, dtype=leaf.dtype), self.sharded)
-            work = all_gather_into(leaf.data, sharded, self.comm.shard_group, self.comm.stats, async_op)
+            work = all_gather_into(leaf.data, sharded, self.comm.groups.shard_group, self.comm.stats, async_op)
         self._pending = (work, sharded)  # keeps the input alive until the gather completes
         if not (async_op and work is not None):
             self._finish_unshard()
@@ -345,8 +360,8 @@ class FlatParamHandle:
         if work is not None:
             work.wait()
         self._pending = None
-        if self.comm.shard_world_size > 1:
-            self.comm.seams.gathered(self._leaf.data, self.comm.shard_world_size)
+        if self.comm.groups.shard_world_size > 1:
+            self.comm.seams.gathered(self._leaf.data, self.comm.groups.shard_world_size)
         self.state = HandleState.UNSHARDED
 
     def use_views(self) -> None:
@@ -473,7 +488,7 @@ class FlatParamHandle:
         the padded unsharded gradient (zeros where no gradient came, and in the padding), then one
         flag per slot, 1 where this rank has a gradient for it ([Note: Gradients with their used
         flags]); each slot gradient is freed once copied."""
-        layout, world = self.layout, self.comm.shard_world_size
+        layout, world = self.layout, self.comm.groups.shard_world_size
         shard_numel, num_slots = layout.shard_numel, len(layout.slots)
         slot_grads = self._slot_grads or [None] * num_slots
         self._slot_grads = []
@@ -498,26 +513,26 @@ class FlatParamHandle:
     def start_reduce(self, reduce_input: torch.Tensor) -> PendingReduce:
         """Start the reduce-scatter (sum) of `_pack_reduce_input`'s rows; finish_reduce() completes it."""
         c = self.comm
-        grad = c.seams.before_reduce(reduce_input, c.data_parallel_size)
-        if c.reduce_dtype is not None and grad.dtype != c.reduce_dtype:
-            grad = grad.to(c.reduce_dtype)
+        grad = c.seams.before_reduce(reduce_input, c.groups.data_parallel_size)
+        if c.precision.reduce_dtype is not None and grad.dtype != c.precision.reduce_dtype:
+            grad = grad.to(c.precision.reduce_dtype)
         reduced = grad.new_empty(self.layout.shard_numel + len(self.layout.slots))
-        work = reduce_scatter_sum(reduced, grad, c.shard_group, c.stats, async_op=True)
+        work = reduce_scatter_sum(reduced, grad, c.groups.shard_group, c.stats, async_op=True)
         return PendingReduce(self, work, grad, reduced)
 
     def finish_reduce(self, reduced: torch.Tensor) -> None:
         """Average the reduce-scattered gradient sum and add it into the gradients of the pieces of
         the slots some rank had a gradient for; the others keep theirs (None: no gradient)."""
         c = self.comm
-        if c.replicate_group is not None:
-            all_reduce_sum(reduced, c.replicate_group, c.stats)
+        if c.groups.replicate_group is not None:
+            all_reduce_sum(reduced, c.groups.replicate_group, c.stats)
         sharded_grad, flags = reduced[:self.layout.shard_numel], reduced[self.layout.shard_numel:]
         used = c.seams.used_slots((flags != 0).tolist())
-        divisor = c.seams.average_divisor(c.data_parallel_size)
+        divisor = c.seams.average_divisor(c.groups.data_parallel_size)
         if divisor > 1:
             sharded_grad.div_(divisor)
         c.seams.averaged(sharded_grad, self, c)
-        padding = self.layout.local_padding_intervals(c.shard_rank)
+        padding = self.layout.local_padding_intervals(c.groups.shard_rank)
         fill = c.seams.gradient_padding_value(0.0)
         if fill == 0.0:
             zero_padding_(sharded_grad, padding)
@@ -536,7 +551,7 @@ class FlatParamHandle:
             for piece, (a, b), u in zip(self.pieces, self.local_bounds, used):
                 piece.grad = sharded_grad[a:b] if u or (overwrite and piece.grad is not None) else None
             return
-        for pad_start, pad_end in self.layout.local_padding_intervals(self.comm.shard_rank):
+        for pad_start, pad_end in self.layout.local_padding_intervals(self.comm.groups.shard_rank):
             current[pad_start:pad_end] += sharded_grad[pad_start:pad_end]
         for piece, (a, b), u in zip(self.pieces, self.local_bounds, used):
             if not u:
@@ -553,7 +568,7 @@ class FlatParamHandle:
         # Through .data: at W = 1 the pieces are autograd leaves viewing the shard, whose views an
         # earlier forward of this unit may have saved; padding is never read by a view, and
         # writing it must not bump their version counter.
-        zero_padding_(self.sharded.data, self.layout.local_padding_intervals(self.comm.shard_rank))
+        zero_padding_(self.sharded.data, self.layout.local_padding_intervals(self.comm.groups.shard_rank))
 
     # -- full tensors ----------------------------------------------------------------------------
     def gather_full(self, sharded: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -581,7 +596,7 @@ def gather_full_many(pairs: list[tuple[FlatParamHandle, torch.Tensor]]) -> list[
         if sharded.numel() != handle.layout.shard_numel:
             raise ValueError(f"gather_full of {handle.param_name}: {sharded.numel()} elements, the shard has "
                              f"{handle.layout.shard_numel}")
-        key = (id(handle.comm.shard_group), sharded.dtype, sharded.device)
+        key = (id(handle.comm.groups.shard_group), sharded.dtype, sharded.device)
         nbytes = sharded.numel() * sharded.element_size()
         if key not in buckets or filled[key] + nbytes > GATHER_BUCKET_BYTES:
             buckets.setdefault(key, []).append([])
@@ -592,9 +607,9 @@ def gather_full_many(pairs: list[tuple[FlatParamHandle, torch.Tensor]]) -> list[
         for run in runs:
             comm = pairs[run[0]][0].comm
             send = torch.cat([pairs[i][1].detach().reshape(-1) for i in run])
-            gathered = send.new_empty(comm.shard_world_size * send.numel())
-            all_gather_into(gathered, send, comm.shard_group)
-            blocks, at = comm.seams.gathered_blocks(gathered.view(comm.shard_world_size, send.numel())), 0
+            gathered = send.new_empty(comm.groups.shard_world_size * send.numel())
+            all_gather_into(gathered, send, comm.groups.shard_group)
+            blocks, at = comm.seams.gathered_blocks(gathered.view(comm.groups.shard_world_size, send.numel())), 0
             for i in run:
                 handle, numel = pairs[i][0], pairs[i][1].numel()
                 # Rank after rank, copied into a buffer of its own: a view could keep the gathered

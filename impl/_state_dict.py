@@ -233,8 +233,8 @@ def local_shards(model: nn.Module) -> list[LocalShard]:
                 LocalShard(
                     unit_fqn=fqn,
                     param_name=handle.param_name,
-                    rank=handle.comm.shard_rank,
-                    world_size=handle.comm.shard_world_size,
+                    rank=handle.comm.groups.shard_rank,
+                    world_size=handle.comm.groups.shard_world_size,
                     layout=handle.layout,
                     data=param.clone(),
                     grad=None if handle.sharded_grad is None else handle.sharded_grad.detach().clone(),

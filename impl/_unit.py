@@ -40,6 +40,7 @@ from enum import Enum, auto
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
@@ -49,9 +50,32 @@ from impl._handle import FlatParamHandle, GradReducer, HandleState
 
 
 class TrainingState(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    PRE_BACKWARD = auto()
+    """Where a unit is in its iteration ([Note: Unit lifecycle])."""
+
+    IDLE = auto()  # between its forward and its backward, or between iterations
+    FORWARD = auto()  # between its pre-forward and post-forward hooks
+    PRE_BACKWARD = auto()  # its backward began, until the root's end-of-backward callback
+
+
+# [Note: Unit lifecycle]
+# A unit goes IDLE -> FORWARD (pre-forward) -> IDLE (post-forward), as many times as its module
+# runs in one forward, then IDLE -> PRE_BACKWARD when the gradient of one of its outputs arrives
+# (again for each forward it ran), and back to IDLE in the root's end-of-backward callback. The
+# root enters PRE_BACKWARD first (its outputs are the last made in forward, so autograd reaches
+# them first; a backward that starts below them, from an inner output, moves the root too), so
+# "the root is in PRE_BACKWARD" is what "this forward runs inside backward" means:
+# a recomputation (activation checkpointing), which neither moves the unit's state nor its
+# reductions' clock, and keeps the parameters unsharded for the gradients to come. Every move is
+# checked against TRANSITIONS; any other is a bug of impl or a forward that raised half-way, and
+# is raised with the rank, the unit and both states.
+TRANSITIONS = frozenset({
+    (TrainingState.IDLE, TrainingState.FORWARD),
+    (TrainingState.FORWARD, TrainingState.IDLE),
+    (TrainingState.IDLE, TrainingState.PRE_BACKWARD),
+    (TrainingState.PRE_BACKWARD, TrainingState.PRE_BACKWARD),  # a unit that ran more than one forward
+    (TrainingState.PRE_BACKWARD, TrainingState.IDLE),
+    (TrainingState.IDLE, TrainingState.IDLE),  # the end of backward for a unit whose backward never began
+})
 
 
 class FSDPUnit:
@@ -66,9 +90,10 @@ class FSDPUnit:
         self.handles = handles
         self.reshard_after_forward = reshard_after_forward
         self.cast_inputs_to = cast_inputs_to
-        self.training_state = TrainingState.IDLE
+        self.training_state = TrainingState.IDLE  # moved by `_enter` only ([Note: Unit lifecycle])
         self.name = type(module).__name__
         self.is_root: bool | None = None  # decided at the first forward
+        self.root: FSDPUnit | None = None  # the root unit above this one, set at the root's first forward
         self.all_units: list[FSDPUnit] = []  # the root's view of every unit below it
         self._finalize_queued = False
         # All-gathered asynchronously after this unit's pre-forward / pre-backward: set by the
@@ -106,20 +131,36 @@ class FSDPUnit:
             self.all_units.append(unit)
 
     def _root_queue_finalize(self) -> None:
-        root = self if self.is_root else self._find_root()
+        root = self.root_unit
         if root is None or root._finalize_queued:
             return
         root._finalize_queued = True
         Variable._execution_engine.queue_callback(root._finalize_backward)
 
-    def _find_root(self) -> FSDPUnit | None:
-        return self.__dict__.get("_root")
+    @property
+    def root_unit(self) -> FSDPUnit | None:
+        """The root this unit runs under (itself for the root); None before the root's first forward."""
+        return self if self.is_root else self.root
+
+    def in_backward(self) -> bool:
+        """Whether a forward now is a recomputation inside backward ([Note: Unit lifecycle])."""
+        return (self.root_unit or self).training_state is TrainingState.PRE_BACKWARD
+
+    def _enter(self, state: TrainingState) -> None:
+        """Move to `state`, which must follow the unit's own by TRANSITIONS ([Note: Unit lifecycle])."""
+        if (self.training_state, state) not in TRANSITIONS:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            raise RuntimeError(
+                f"rank {rank}: FSDP unit '{self.name}' moved from {self.training_state.name} to {state.name}, "
+                f"which its lifecycle does not allow (a forward that raised half-way, or a hook out of order)"
+            )
+        self.training_state = state
 
     def _finalize_backward(self) -> None:
         for unit in self._latest_forward_first(self.all_units):
             for handle in unit.handles:
                 handle.reduce_gradients()  # every unit still due, some of whose views got no gradient here
-            unit.training_state = TrainingState.IDLE
+            unit._enter(TrainingState.IDLE)
         self.reducer.wait()  # every .grad complete before backward returns
         self._finalize_queued = False
 
@@ -148,12 +189,12 @@ class FSDPUnit:
             self._lazy_init()
             for unit in self.all_units:
                 if unit is not self:
-                    unit.__dict__["_root"] = self
+                    unit.root = self
                 for handle in unit.handles:
                     handle.reducer = self.reducer
-        in_backward = _in_backward()
+        in_backward = self.in_backward()
         if not in_backward:
-            self.training_state = TrainingState.FORWARD
+            self._enter(TrainingState.FORWARD)
             self._record_pre_forward()
         for handle in self.handles:
             handle.check_materialized(self.name)
@@ -168,14 +209,14 @@ class FSDPUnit:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if _in_backward():
+        if self.in_backward():
             # Recomputation (activation checkpointing) inside backward: the parameters stay
             # unsharded until this unit's gradients are reduced.
             return output
         if self.reshard_after_forward and not self.is_root:
             for handle in self.handles:
                 handle.reshard(for_backward_regather=True)
-        root = self if self.is_root else self._find_root()
+        root = self.root_unit
         if root is not None:
             self._next_in_backward, root._last_post_forward = root._last_post_forward, self
             self.forward_end = root._tick()
@@ -184,13 +225,13 @@ class FSDPUnit:
         ]
         if tensors:
             register_multi_grad_hook(tensors, self._pre_backward, mode="any")
-        self.training_state = TrainingState.IDLE
+        self._enter(TrainingState.IDLE)
         return output
 
     def owner_pre_forward(self, module: nn.Module, args: tuple) -> None:
         """Before a sub-module owning this unit's parameters runs: inside backward that is a
         recomputation, which may come after the unit released its unsharded parameters."""
-        if _in_backward():
+        if self.in_backward():
             for handle in self.handles:
                 handle.recomputing = True  # its saved tensors are not all visible: hold on
                 if handle.release_checked:
@@ -203,10 +244,12 @@ class FSDPUnit:
     # -- backward ----------------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> None:
         self._root_queue_finalize()
-        root = self if self.is_root else self._find_root()
+        root = self.root_unit
         if root is not None:
             root._reduce_units_after(self.forward_end)
-        self.training_state = TrainingState.PRE_BACKWARD
+            if root is not self and root.training_state is TrainingState.IDLE:
+                root._enter(TrainingState.PRE_BACKWARD)  # a backward that began below the root's outputs
+        self._enter(TrainingState.PRE_BACKWARD)
         for handle in self.handles:
             handle.unshard()
         _prefetch(self.backward_prefetch, self._next_in_backward)
@@ -217,7 +260,7 @@ class FSDPUnit:
             self._clock = 0
             for unit in self.all_units:
                 unit.forward_begin = unit.forward_end = None
-        root = self if self.is_root else self._find_root()
+        root = self.root_unit
         if root is None:
             return
         if self.forward_begin is None:
@@ -237,10 +280,6 @@ def _prefetch(chosen: list[FSDPUnit] | None, implicit: FSDPUnit | None) -> None:
     for unit in chosen if chosen is not None else [implicit] if implicit is not None else []:
         for handle in unit.handles:
             handle.unshard(async_op=True)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

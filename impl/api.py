@@ -12,7 +12,7 @@ import torch.nn as nn
 from impl._collectives import CommStats, group_rank_and_size
 from impl._faults import Seams, seams_for
 from impl._flat_param import FlatLayout, align_numel_for
-from impl._handle import CommConfig, FlatParamHandle
+from impl._handle import CommConfig, FlatParamHandle, Precision, ShardGroups
 from impl._unit import FSDPUnit
 
 FLAT_PARAM_NAMES = {True: "_flat_param", False: "_flat_param_frozen"}
@@ -148,13 +148,8 @@ def fully_shard(
     owners, params = _collect_params(module, seams)
     seams.wrapped_buffers([b for _, sub in _unwrapped_modules(module) for b in sub.buffers(recurse=False)])
     comm = CommConfig(
-        shard_group=process_group,
-        replicate_group=replicate_group,
-        shard_rank=shard_rank,
-        shard_world_size=shard_world_size,
-        replicate_world_size=replicate_world_size,
-        param_dtype=mp_policy.param_dtype,
-        reduce_dtype=mp_policy.reduce_dtype,
+        groups=ShardGroups(process_group, replicate_group, shard_rank, shard_world_size, replicate_world_size),
+        precision=Precision(mp_policy.param_dtype, mp_policy.reduce_dtype),
         stats=comm_stats,
         compute_device=None if offload_policy is None else torch.device(offload_policy.compute_device),
         seams=seams,
@@ -256,10 +251,10 @@ def _make_handle(
     comm: CommConfig,
     requires_grad: bool,
 ) -> FlatParamHandle:
-    dtypes = {params[0].dtype} | ({comm.param_dtype} if comm.param_dtype is not None else set())
+    dtypes = {params[0].dtype} | ({comm.precision.param_dtype} if comm.precision.param_dtype is not None else set())
     layout = FlatLayout.build(
         [(tuple(fqn for _, _, fqn in o), p.shape) for o, p in zip(owners, params)],
-        comm.shard_world_size,
+        comm.groups.shard_world_size,
         align_numel_for(*dtypes),  # [Note: Alignment]: in the sharded and the compute dtype
     )
     param_name = FLAT_PARAM_NAMES[requires_grad]

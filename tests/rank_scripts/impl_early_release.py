@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 import impl
 from cases.models import TransformerConfig, TransformerLM, lm_loss
 from impl._handle import FlatParamHandle, HandleState
-from impl._unit import FSDPUnit, _in_backward
+from impl._unit import FSDPUnit
 from harness.run.rank import rank_epilogue, rank_prologue
 
 CFG = TransformerConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=18, tie_weights=True)
@@ -112,7 +112,7 @@ def plant(fault: str | None) -> None:
         FSDPUnit.owner_pre_forward = lambda self, module, args: None
     elif fault == "regather_where_released":
         def owner_pre_forward(self, module, args):
-            if _in_backward():
+            if self.in_backward():
                 for handle in self.handles:
                     handle.recomputing = True
                     if handle.state == HandleState.SHARDED:
