@@ -13,7 +13,7 @@ import math
 import os
 import re
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from cases.catalog import CASES, get_case, with_global_batch
@@ -172,8 +172,6 @@ def _fault_copies(cells: list[Cell], fault_copies: tuple[str, ...]) -> list[Cell
     fault can act (impl/'s faults on impl=ours, collective faults at W > 1): many planted bugs and
     their honest twins in one launch, each judged against the same reference. Tests use it (run
     --fault-copies) to pay start-up once for a battery of planted bugs."""
-    from dataclasses import replace
-
     copies = []
     for fault in fault_copies:
         for cell in cells:
@@ -183,23 +181,36 @@ def _fault_copies(cells: list[Cell], fault_copies: tuple[str, ...]) -> list[Cell
     return copies
 
 
-def build_plan(
-    *,
-    cases: tuple[str, ...] = DEFAULT_CASES,
-    impls: tuple[str, ...] = DEFAULT_IMPLS,
-    world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES,
-    data_modes: tuple[str, ...] | None = DEFAULT_DATA_MODES,
-    steps: int | None = None,
-    timeout_s: float = 600.0,
-    out_dir: str | Path = "reports",
-    faults: tuple[str, ...] = (),
-    fault_copies: tuple[str, ...] = (),
-    threads: int = 1,
-    launch_per_cell: bool = False,
-    backend: str = "gloo",
-    device: str = "cpu",
-    judge_on: str = "auto",
-) -> RunPlan:
+@dataclass(frozen=True)
+class RunRequest:
+    """What a run is asked for, as the command line gives it (harness/verbs/common.py
+    `request_from_args` parses the flags once) or a caller writes it; `build_plan` checks it and
+    turns it into cells."""
+
+    cases: tuple[str, ...] = DEFAULT_CASES
+    impls: tuple[str, ...] = DEFAULT_IMPLS
+    world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
+    data_modes: tuple[str, ...] | None = DEFAULT_DATA_MODES  # None: each case's own
+    steps: int | None = None  # None: each case's own
+    timeout_s: float = 600.0  # per world size
+    out_dir: str | Path = "reports"
+    faults: tuple[str, ...] = ()  # planted in every cell
+    fault_copies: tuple[str, ...] = ()  # one more copy of every cell per fault
+    threads: int = 1  # intra-op threads in every rank
+    launch_per_cell: bool = False
+    backend: str = "gloo"
+    device: str = "cpu"
+    judge_on: str = "auto"  # JUDGE_ON
+
+
+def build_plan(request: RunRequest | None = None, **fields) -> RunPlan:
+    """The plan of `request` (or of a RunRequest of `fields`: `build_plan(cases=("mlp",))`), every
+    flag checked before any rank starts (PlanError: one line, exit 2)."""
+    request = RunRequest(**fields) if request is None else replace(request, **fields)
+    cases, impls, world_sizes, data_modes = request.cases, request.impls, request.world_sizes, request.data_modes
+    steps, timeout_s, out_dir, threads = request.steps, request.timeout_s, request.out_dir, request.threads
+    faults, fault_copies, judge_on = request.faults, request.fault_copies, request.judge_on
+    backend, device, launch_per_cell = request.backend, request.device, request.launch_per_cell
     from harness.adapters.registry import resolve_impl  # imports torch; kept out of plain Cell use
 
     case_names: dict[str, str] = {}

@@ -50,11 +50,12 @@ def out_dir(value: str, flag: str = "--out") -> Path:
     return Path(value)
 
 
-def plan_from_args(args):
-    from harness.run.plan import build_plan, parse_csv, parse_world_sizes
+def request_from_args(args):
+    """The run the matrix flags ask for (harness/run/plan.py RunRequest), parsed once."""
+    from harness.run.plan import RunRequest, parse_csv, parse_world_sizes
 
     world_sizes = "1,2,4,8" if getattr(args, "full", False) else args.world_sizes
-    return build_plan(
+    return RunRequest(
         cases=parse_csv(args.cases, "cases"),
         impls=parse_csv(args.impls, "impls"),
         world_sizes=parse_world_sizes(world_sizes),
@@ -70,6 +71,12 @@ def plan_from_args(args):
         launch_per_cell=args.launch_per_cell,
         judge_on=judge_on(args),
     )
+
+
+def plan_from_args(args):
+    from harness.run.plan import build_plan
+
+    return build_plan(request_from_args(args))
 
 
 def judge_on(args) -> str:
