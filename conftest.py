@@ -84,7 +84,7 @@ class _Progress:
 
 def selected_tier(config) -> str:
     """--tier when given; otherwise `all` for a command that names test files or ids (someone asking
-    for tests/test_architectures.py wants it run) and `default` for the bare test command."""
+    for tests/cases/test_architectures.py wants it run) and `default` for the bare test command."""
     tier = config.getoption("--tier")
     if tier is not None:
         return tier

@@ -24,7 +24,7 @@ to a report):
                them), check, main (the run the verb starts)
     bench/     main, worker (inside the ranks), live_memory
 
-[Note: Import walls] (tests/test_walls.py reads every module's imports and enforces these):
+[Note: Import walls] (tests/harness/test_walls.py reads every module's imports and enforces these):
 1. judge/ and report/ read results; they import no process machinery (run/orchestrate, run/launch,
    run/prefork, run/lifeline, run/rank, fuzz/pool), no verb (cli, ci/) and no rank-side module.
 2. A rank-side module (run/worker, fuzz/worker, bench/worker: what torchrun runs with `-m`) is

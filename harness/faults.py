@@ -1,6 +1,6 @@
 """The one catalog of planted faults: every bug the harness can plant, by name, with what it plants,
 the layer it is planted in, what it needs to act and the catalog cases where it acts (standard
-library only: the parent, the verbs and the ranks all read it; tests/test_fault_catalog.py keeps it
+library only: the parent, the verbs and the ranks all read it; tests/harness/test_fault_catalog.py keeps it
 in step with the seams that plant them).
 
 Layers: "impl" (a hook object at a named seam of our own FSDP, impl/_faults.py SEAMS: impl=ours

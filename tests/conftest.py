@@ -5,7 +5,7 @@ hash of each test, no example database), so two runs of the same commit test the
 and a red CI run is red again on a laptop; every counterexample ever found is pinned as an
 @example next to its test, so derandomising loses none of them. thorough is a deliberate long
 random search (a fresh seed each run, failures kept in the local .hypothesis/ database):
-    HYPOTHESIS_PROFILE=thorough python -m pytest -q tests/test_props_padding.py
+    HYPOTHESIS_PROFILE=thorough python -m pytest -q tests/impl/test_props_padding.py
 A counterexample the thorough search finds gets pinned as an @example.
 """
 

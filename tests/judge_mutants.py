@@ -30,15 +30,15 @@ from pathlib import Path
 from scratch_repo import copy_project
 
 # Fast-tier files that judge evidence (the whole fast tier with --fast-tier).
-JUDGE_FAST = ("tests/test_tolerance_bounds.py", "tests/test_judge_checks.py", "tests/test_judge_nonfinite.py",
-              "tests/test_harness_units.py", "tests/test_padding_intervals.py", "tests/test_evidence.py",
-              "tests/test_fuzz.py", "tests/test_bias_check.py", "tests/test_buffers.py", "tests/test_verdict_enum.py")
-_PLANTED = "tests/test_harness_runs.py::test_planted_error_is_caught_by_its_check[{}]"
-_BUFFERS_SLOW = "tests/test_harness_runs.py::test_buffers_zeroed_at_wrap_fail_at_step_0_on_every_rank"
-_DRIFT = ("tests/test_harness_runs.py::"
+JUDGE_FAST = ("tests/harness/reference/test_tolerance_bounds.py", "tests/harness/judge/test_judge_checks.py", "tests/harness/judge/test_judge_nonfinite.py",
+              "tests/harness/run/test_harness_units.py", "tests/harness/judge/test_padding_intervals.py", "tests/harness/judge/test_evidence.py",
+              "tests/harness/fuzz/test_fuzz.py", "tests/harness/judge/test_bias_check.py", "tests/harness/judge/test_buffers.py", "tests/harness/judge/test_verdict_enum.py")
+_PLANTED = "tests/harness/run/test_harness_runs.py::test_planted_error_is_caught_by_its_check[{}]"
+_BUFFERS_SLOW = "tests/harness/run/test_harness_runs.py::test_buffers_zeroed_at_wrap_fail_at_step_0_on_every_rank"
+_DRIFT = ("tests/harness/run/test_harness_runs.py::"
           "test_a_drift_every_step_hides_fails_on_the_trajectory_and_the_honest_twin_passes")
-_NO_GRADIENT = "tests/test_no_gradient.py::{}"  # fast tests: parameters without a gradient
-_SCALED_STEP = ("tests/test_harness_runs.py::"
+_NO_GRADIENT = "tests/harness/judge/test_no_gradient.py::{}"  # fast tests: parameters without a gradient
+_SCALED_STEP = ("tests/harness/run/test_harness_runs.py::"
                 "test_a_step_scaled_after_the_evidence_fails_the_update_bias_and_the_honest_twin_passes")
 
 
@@ -116,9 +116,9 @@ MUTANTS = (
     Mutant("clip_norm_disabled", "the clip norms never compared with the exact gradients' norm",
            "harness/judge/diff.py", (("            if not ratio <= 1:\n                out.append(Violation(self.kind, step, \"clip\"",
                                       "            if False:\n                out.append(Violation(self.kind, step, \"clip\""),),
-           ("tests/test_clip_check.py",)),
+           ("tests/harness/judge/test_clip_check.py",)),
     Mutant("clip_coefficient_disabled", "the clipped gradients never compared with the gradient times the coefficient",
-           "harness/judge/diff.py", _disable("clip"), ("tests/test_clip_check.py",)),
+           "harness/judge/diff.py", _disable("clip"), ("tests/harness/judge/test_clip_check.py",)),
     Mutant("trajectory_disabled", "trajectory check never fails", "harness/judge/diff.py",
            (("        if o.failing is not None:\n            out.append(Violation(kind, dev.step, \"trajectory\"",
              "        if False:\n            out.append(Violation(kind, dev.step, \"trajectory\""),), (_DRIFT,)),

@@ -1,5 +1,5 @@
 """The judge as it was before [Note: Batched checks] (harness/judge/segments.py): every check
-one tensor at a time. Kept only as the oracle of tests/test_judge_batched.py, which requires the
+one tensor at a time. Kept only as the oracle of tests/harness/judge/test_judge_batched.py, which requires the
 batched judge to return what this one returns; not used by the harness."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (harness/run/launch.py `Launch`), for the tests of impl/ that need several ranks without the rest of
 the harness in between. The scripts start with `rank_prologue`, so a launch still running at its
 timeout fails the test with every rank's stacks (SIGUSR1, faulthandler), and nothing of it is left
-running (tests/test_torchrun_script.py).
+running (tests/harness/run/test_torchrun_script.py).
 """
 
 from __future__ import annotations

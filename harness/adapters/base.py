@@ -377,7 +377,7 @@ def _gather_dim0(batch: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tenso
     one all-gather: each rank's local rows, padded to the chunk size ceil(rows / W) of torch.chunk
     (DTensor's and FSDP2's split), are concatenated; the gathered buffer holds rank r's block at
     r * L, and each tensor is its ranks' real rows in rank order. A copy of every element, no
-    arithmetic: bitwise full_tensor() (tests/test_adapters_gather.py), at one collective per step and kind."""
+    arithmetic: bitwise full_tensor() (tests/harness/adapters/test_adapters_gather.py), at one collective per step and kind."""
     from torch.distributed.tensor import Shard
 
     mesh = batch[0][1].device_mesh

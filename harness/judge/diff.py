@@ -481,7 +481,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
 # summed across tensors except integer counts and the clipping norm, which a case that clips needs
 # over the whole model: such a case is judged in one piece. A model of at most PIECE_ELEMENTS is
 # one piece, the computation as before pieces; more pieces give the same verdict, margins,
-# statistics and first divergence (tests/test_judge_pieces.py).
+# statistics and first divergence (tests/harness/judge/test_judge_pieces.py).
 PIECE_ELEMENTS = 1 << 20
 # The replay's records that hold one entry per parameter name.
 PER_NAME_KEYS = ("grads", "abs_grads", "num_terms", "reorder", "params", "hyper", "state")

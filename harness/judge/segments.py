@@ -12,7 +12,7 @@ as the maximum, as `Tensor.argmax` does) and counts. Each tensor still yields it
 (same element, ratio and num_violating) and its own max ratio, folded into the step's worst
 element and the check's statistics in the same order as before. Non-finite values and non-zero
 padding are detected on the flat tensor and, where found (a failing cell), described by the
-per-tensor code itself. tests/test_judge_batched.py pins all of it against the per-tensor
+per-tensor code itself. tests/harness/judge/test_judge_batched.py pins all of it against the per-tensor
 reference on planted values (NaN, inf, -0.0, empty and frozen tensors).
 """
 
@@ -28,7 +28,7 @@ import torch
 # From this many elements in all, the segmented reductions loop over the tensors instead: a
 # model's tensors are then few and large, so the loop costs little in dispatch, and the batched
 # form's model-sized index tensors (the segment of every element, gathered maxima, positions)
-# cost more than the arithmetic. Both forms give the same results (tests/test_judge_batched.py).
+# cost more than the arithmetic. Both forms give the same results (tests/harness/judge/test_judge_batched.py).
 PER_TENSOR_FROM = 1 << 20
 
 

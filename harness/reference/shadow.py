@@ -113,7 +113,7 @@ def load_nonpersistent_buffers(model: nn.Module, buffers: dict[str, torch.Tensor
 # real build followed by the load, bit for bit. It is built for real instead where the meta build
 # raises, where a parameter or buffer is of another type (a lazy or subclassed parameter), where a
 # non-persistent buffer's value is not given, or where anything else of a module is left on the
-# meta device (a tensor attribute, a device captured at construction): tests/test_replay_model.py.
+# meta device (a tensor attribute, a device captured at construction): tests/harness/reference/test_replay_model.py.
 
 
 def _left_on_meta(value) -> bool:

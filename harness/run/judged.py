@@ -28,7 +28,7 @@ CellJudge, the same code), and lets the tensors go:
   reference is computed here exactly; two cells whose trajectories have the same digest are 0
   apart (NaN when either is not finite, as a subtraction gives), and a cell with the reference's
   digest is as far from any other as the reference; any other pair is not known (shown as such).
-So a verdict is the snapshot's verdict, bit for bit: tests/test_judged_on_ranks.py judges the same
+So a verdict is the snapshot's verdict, bit for bit: tests/harness/run/test_judged_on_ranks.py judges the same
 cells both ways and compares every margin, violation and per-step figure.
 """
 

@@ -9,7 +9,7 @@ the cores keep busy, harness/run/plan.py `max_teams`), each team in a default pr
 its own (harness/run/worker.py `_join_world`) taking the next unclaimed cell until none is left;
 the ranks in no team wait for a larger world size, and every rank arrives before the next world
 size starts. Each team's process group is a fresh W-rank world, as in a launch of W ranks, so
-adapters that build meshes over the world need nothing else; tests/test_one_launch.py checks
+adapters that build meshes over the world need nothing else; tests/harness/run/test_one_launch.py checks
 that every cell's evidence, whichever team ran it, is bitwise that of a launch of its own.
 --timeout applies to each world size: counted from the launch's start for the first, from the
 completion of the previous world size's last cell for the others. Once every cell of a launch is

@@ -1,4 +1,4 @@
-"""Runs inside torchrun ranks for tests/test_launch.py: `-m launch_probe MODE`.
+"""Runs inside torchrun ranks for tests/harness/run/test_launch.py: `-m launch_probe MODE`.
 
 crash: rank 1 raises after the prologue; hang: rank 0 waits in a barrier rank 1 never joins
 (each prints "rank N hanging" first, so a test need not wait out a long timeout to know it);

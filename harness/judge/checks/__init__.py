@@ -8,7 +8,7 @@ everywhere at once. A check of its own module (`where` names it) computes its vi
 field of the step record (harness/run/snapshot.py) and is called by the judge
 (harness/judge/diff.py CellJudge) where that field is judged; docs/error_model.md says why its
 tolerance is what it is. Adding one: its module, its line here, its evidence field, its call in
-CellJudge and its paragraph in docs/error_model.md (tests/test_check_registry.py keeps the table
+CellJudge and its paragraph in docs/error_model.md (tests/harness/judge/test_check_registry.py keeps the table
 and the modules in step).
 """
 

@@ -1,0 +1,128 @@
+"""impl's unit lifecycle ([Note: Unit lifecycle] in impl/_unit.py) at W = 1: the states a unit
+moves through, recomputation told from them (activation checkpointing around whole units, both
+autograd flavours, bitwise equal to the plain model), and a move the lifecycle does not allow
+raised with the rank and the unit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import impl
+from cases.models import TransformerConfig, TransformerLM, lm_loss
+from impl import fully_shard
+from impl._unit import FSDPUnit, TrainingState
+from tests.impl.test_impl_features import lm_batch, nested, train
+
+IDLE, FORWARD, PRE_BACKWARD = TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD
+
+
+class Checkpointed(nn.Module):
+    """A wrapped block called through activation checkpointing: its FSDP hooks run inside the
+    checkpoint, so backward runs its forward again."""
+
+    def __init__(self, block: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.block, self.reentrant = block, reentrant
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+def _moves(monkeypatch) -> list[tuple[str, TrainingState, TrainingState]]:
+    moves = []
+    enter = FSDPUnit._enter
+
+    def recording(self, state):
+        moves.append((self.name, self.training_state, state))
+        enter(self, state)
+    monkeypatch.setattr(FSDPUnit, "_enter", recording)
+    return moves
+
+
+def test_one_iteration_moves_every_unit_through_its_states(monkeypatch):
+    torch.manual_seed(0)
+    model = nested(TransformerLM(TransformerConfig(n_layer=2)))
+    moves = _moves(monkeypatch)
+    x, y = lm_batch(0)
+    out = model(x)
+    assert moves == [("<root>", IDLE, FORWARD), ("blocks.0", IDLE, FORWARD), ("blocks.0", FORWARD, IDLE),
+                     ("blocks.1", IDLE, FORWARD), ("blocks.1", FORWARD, IDLE), ("<root>", FORWARD, IDLE)]
+    moves.clear()
+    lm_loss(out, y).backward()
+    assert moves[:3] == [("<root>", IDLE, PRE_BACKWARD), ("blocks.1", IDLE, PRE_BACKWARD),
+                         ("blocks.0", IDLE, PRE_BACKWARD)]
+    assert sorted(moves[3:]) == sorted((n, PRE_BACKWARD, IDLE) for n in ("<root>", "blocks.0", "blocks.1"))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_units_checkpointed_whole_recompute_inside_backward(reentrant, monkeypatch):
+    """The recomputed forward neither moves the unit nor ends its unsharded parameters early: the
+    run is the plain model's, bit for bit, and every unit ends the iteration IDLE."""
+    torch.manual_seed(0)
+    ref = TransformerLM(TransformerConfig(n_layer=2))
+    ours = copy.deepcopy(ref)
+    for block in ours.blocks:
+        fully_shard(block)
+    fully_shard(ours)
+    ours.blocks = nn.ModuleList(Checkpointed(b, reentrant) for b in ours.blocks)
+    moves = _moves(monkeypatch)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    assert train(ours, opt_ours) == train(ref, opt_ref)
+    full = {n.replace(".block.", "."): t for n, t in impl.full_state_dict(ours).items()}
+    assert full.keys() == ref.state_dict().keys()
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(full[name], tensor), name
+    forwards = [m for m in moves if m[2] is FORWARD]
+    assert len(forwards) == 3 * 3  # three steps of root + two blocks: the recomputations are not forwards
+    assert all(unit.training_state is IDLE for unit in ours.__dict__["_fsdp_unit"].all_units)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_backward_from_an_inner_unit_only_recomputes_it_inside_backward(reentrant):
+    """The loss reads one inner unit's output, never the root's: the backward begins below the
+    root, which it moves to PRE_BACKWARD all the same ([Note: Unit lifecycle])."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 2))
+    ours = copy.deepcopy(ref)
+    fully_shard(ours[1])
+    fully_shard(ours)
+    inner = {}
+    ours[1].register_forward_hook(lambda m, i, o: inner.__setitem__("ours", o))
+    ref[1].register_forward_hook(lambda m, i, o: inner.__setitem__("ref", o))
+    ours[1] = Checkpointed(ours[1], reentrant)
+    x = torch.randn(4, 6)
+    for model, key in ((ours, "ours"), (ref, "ref")):
+        model(x)
+        inner[key].square().sum().backward()
+    grads = {n.replace(".block.", "."): p.grad for n, p in ours.named_parameters()}
+    for name, p in ref.named_parameters():  # a W = 1 shard holds the whole parameter, flat
+        assert (grads[name] is None) == (p.grad is None), name
+        assert p.grad is None or torch.equal(grads[name].reshape(-1), p.grad.reshape(-1)), name
+    assert all(u.training_state is IDLE for u in ours.__dict__["_fsdp_unit"].all_units)
+
+
+class Raising(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fail = True
+
+    def forward(self, x):
+        if self.fail:
+            raise ValueError("planted")
+        return self.lin(x)
+
+
+def test_a_move_the_lifecycle_forbids_is_raised_with_rank_and_unit():
+    model = fully_shard(Raising())
+    with pytest.raises(ValueError, match="planted"):
+        model(torch.ones(2, 4))  # stops half-way: the unit stays in FORWARD
+    model.fail = False
+    with pytest.raises(RuntimeError, match=r"rank 0: FSDP unit '<root>' moved from FORWARD to FORWARD"):
+        model(torch.ones(2, 4))
