@@ -32,7 +32,7 @@ from harness.run.snapshot import load_init
 from harness.run.worker import run_cell
 
 HERE = Path(__file__).resolve()
-REPO = HERE.parent.parent
+REPO = HERE.parents[3]
 NO_DECAY = f"{REPO / 'tests' / 'data' / 'user_case_no_decay.py'}:make_case"
 USER_API = f"{REPO / 'tests' / 'data' / 'user_case_api.py'}:make_case"
 STEPS = 2
