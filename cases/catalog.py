@@ -27,7 +27,7 @@ _STANDARD_OPTIMIZERS = (
 _MLP_SIZES = (13, 31, 17, 2, 1)
 _LM_CONFIG = TransformerConfig()
 # Every catalog case runs at any world size up to 8; the default runs take 1, 2, 4 (8).
-_ANY_WORLD_SIZE = tuple(range(1, 9))
+_ANY_WORLD_SIZE = tuple(range(1, 17))  # up to MAX_CPU_WORLD_SIZE ranks on a CPU host
 # The standard matrix and the gate run 10 steps: a bug that waits for step 6 (a buffer captured
 # after a warm-up) acts in five of them. Measured with `python -m harness run --steps S` on this
 # project's 2-core VM (32 cells): 35 s at 5 steps, 57 s at 10, 144 s at 30.
@@ -143,6 +143,8 @@ _FEATURE_CASES = (
              Features(mesh="no_shard")),
     _lm_case("hybrid_shard", "HSDP on a 2-D mesh: W = 4 as 2 replicas x 2 shards (W < 4: plain sharding)",
              Features(mesh="hybrid")),
+    _lm_case("hybrid_shard_3", "HSDP with three replicas: W = 12 as 3 replicas x 4 shards, W = 6 as 3 x 2 "
+             "(W not a multiple of 3, or below 6: plain sharding)", Features(mesh="hybrid", replicas=3)),
     _lm_case("zero1", "DeepSpeed ZeRO-1: replicated parameters and gradients, optimizer state sharded",
              Features(zero1=True)),
     _lm_case("mixed_precision", "bfloat16 compute with fp32 master weights, gradients reduced in fp32; the "

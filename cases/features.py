@@ -18,7 +18,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class Features:
-    mesh: str = "shard"  # shard over all ranks | hybrid: (replicate 2, shard W/2) | no_shard: (W, 1)
+    mesh: str = "shard"  # shard over all ranks | hybrid: (replicas, W / replicas) | no_shard: (W, 1)
+    replicas: int = 2  # hybrid: the replicate dimension of the mesh (HSDP)
     reshard_after_forward: bool = True
     param_dtype: str | None = None  # mixed precision: compute dtype of the unsharded parameters
     reduce_dtype: str | None = None  # dtype gradients are reduced in
@@ -39,6 +40,8 @@ class Features:
     def __post_init__(self) -> None:
         if self.mesh not in MESH_KINDS:
             raise ValueError(f"Features mesh={self.mesh!r} must be one of {MESH_KINDS}")
+        if self.replicas < 2:
+            raise ValueError(f"Features replicas={self.replicas} must be >= 2 (a hybrid mesh replicates)")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in DTYPES:
@@ -71,8 +74,8 @@ class Features:
         """(replicate, shard) sizes at this world size."""
         if self.mesh == "no_shard":
             return world_size, 1
-        if self.mesh == "hybrid" and world_size >= 4 and world_size % 2 == 0:
-            return 2, world_size // 2
+        if self.mesh == "hybrid" and world_size >= 2 * self.replicas and world_size % self.replicas == 0:
+            return self.replicas, world_size // self.replicas
         return 1, world_size
 
     def shard_group(self, world_size: int, rank: int) -> frozenset[int]:

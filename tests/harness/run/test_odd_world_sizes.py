@@ -51,3 +51,34 @@ def test_a_predivision_in_bf16_fails_at_w3_and_is_exact_at_w2(odd_run):
     planted, honest = odd_run[f"mixed_precision@batch=24.ours.w2.split.{FAULT}"], odd_run["mixed_precision@batch=24.ours.w2.split"]
     assert str(planted.verdict) == "pass"
     assert planted.optimizers["adamw"].margins == honest.optimizers["adamw"].margins
+
+
+def test_hybrid_mesh_shapes_of_any_factorisation():
+    from cases.features import Features
+
+    three = Features(mesh="hybrid", replicas=3)
+    assert [three.mesh_shape(w) for w in (3, 4, 6, 9, 12)] == [(1, 3), (1, 4), (3, 2), (3, 3), (3, 4)]
+    assert Features(mesh="hybrid").mesh_shape(12) == (2, 6)
+    assert three.shard_group(12, 5) == frozenset(range(4, 8))  # the second row of the (3, 4) mesh
+    with pytest.raises(ValueError, match="replicas=1"):
+        Features(mesh="hybrid", replicas=1)
+
+
+def test_a_3x4_hsdp_mesh_passes_honestly_and_catches_a_missing_average(tmp_path):
+    """W = 12 as 3 replicas x 4 shards (the catalog's hybrid_shard_3): ours and fsdp2 pass, each
+    collective over its own row or column (the shard-group contract), and ours without the
+    average over the 12 data-parallel ranks fails at step 1 with the gradient 12 times too large."""
+    plan = build_plan(cases=("hybrid_shard_3",), impls=("ours", "fsdp2"), world_sizes=(12,), data_modes=("split",),
+                      steps=2, out_dir=tmp_path / "run", fault_copies=("no_grad_average",))
+    torch.set_num_threads(1)
+    cells, _, _ = evaluate(plan, run_plan(plan))
+    by_id = {r.cell.cell_id: r for r in cells}
+    for impl in ("ours", "fsdp2"):
+        honest = by_id[f"hybrid_shard_3@batch=24.{impl}.w12.split"]
+        assert str(honest.verdict) == "pass", honest.cell.cell_id
+        for opt in honest.optimizers.values():
+            assert opt.checks["contract"]["elements"] > 0 and opt.margins["grad"] < 1
+    planted = by_id["hybrid_shard_3@batch=24.ours.w12.split.no_grad_average"]
+    first = planted.first_divergence
+    assert str(planted.verdict) == "fail" and (first.step, first.check) == (1, "grad")
+    assert first.actual / first.expected == pytest.approx(12, rel=1e-3)
