@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 
-from harness.errors import CannotTest, PoolLost, UsageError, UserError, VerbFailed
+from harness.errors import CannotTest, ExitWith, PoolLost, UsageError, UserError, VerbFailed
 from harness.verbs import VERBS
 from harness.verbs.common import Parser, import_project
 
@@ -75,6 +75,9 @@ def _exit_code(verb: str, e: BaseException) -> int:
         print(f"harness {verb}: error: cannot write{where}: {e.strerror}; free space or choose a writable --out",
               file=sys.stderr)
         return EXIT_USAGE
+    if isinstance(e, ExitWith):
+        print(f"harness {verb}: {e}", file=sys.stderr)
+        return e.code
     if isinstance(e, VerbFailed):
         print(f"harness {verb}: {e}", file=sys.stderr)
         return EXIT_FAIL

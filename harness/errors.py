@@ -31,6 +31,14 @@ class VerbFailed(Exception):
     """A verb ran and could not reach its result, for the reason it names (exit 1, one line)."""
 
 
+class ExitWith(Exception):
+    """End with `code`, another process's (a node following node 0 exits with node 0's)."""
+
+    def __init__(self, code: int, line: str) -> None:
+        super().__init__(line)
+        self.code = code
+
+
 class PoolLost(BaseException):
     """A rank was ended from outside the run (killed, out of memory): no verdict on the example.
     A BaseException, like KeyboardInterrupt, so hypothesis stops at once instead of shrinking and

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 from harness.run import lifeline
+from harness.run.nodes import (HEARTBEAT_S, LAUNCH_LABEL_VAR, NODE_LOST_S, NODE_RANK_VAR, NODES_DIR_VAR, announce_launch,
+                               lost_nodes, lost_text, nodes_dir)
 from harness.run.outcome import LaunchResult, RankLog, failure_blocks
 from harness.run.plan import Cell, RunPlan, num_parameters, write_launch_plan
 
@@ -37,6 +39,18 @@ POLL_S = 0.2
 # a whole timeout. Their evidence is not judged then (harness/run/orchestrate.py).
 EXIT_GRACE_S = 60.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """This node's part of a launch across nodes ([Note: Across nodes] in harness/run/nodes.py)."""
+
+    count: int
+    rank: int
+    endpoint: str  # HOST:PORT of the c10d rendezvous
+    rdzv_id: str  # this launch's own
+    nodes_dir: Path  # where the ranks say which node they run on
+    label: str  # the launch's label (its log directory's name on node 0)
 
 
 @dataclass(frozen=True)
@@ -57,8 +71,11 @@ class TorchrunSpec:
     # Ranks forked from a fork server that imported their module once ([Note: Forked ranks],
     # harness/run/prefork.py) instead of started by torchrun's command line, each importing torch.
     prefork: bool = False
+    nodes: NodeLaunch | None = None  # None: every rank on this host
 
     def __post_init__(self) -> None:
+        if self.nodes is not None and self.world_size % self.nodes.count:
+            raise ValueError(f"TorchrunSpec world_size={self.world_size} does not split over {self.nodes.count} nodes")
         if self.world_size < 1 or self.threads < 1:
             raise ValueError(f"TorchrunSpec world_size={self.world_size} threads={self.threads} must be >= 1")
         if self.timeout_s is not None and not self.timeout_s > 0:
@@ -83,17 +100,24 @@ class Launch:
     def start(self) -> None:
         spec = self.spec
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable, "-m", "harness.run.prefork" if spec.prefork else "torch.distributed.run",
-            "--nnodes=1", f"--nproc-per-node={spec.world_size}",
-            "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
-            f"--log-dir={self.log_dir / 'ranks'}", "--redirects=3",
-            "-m", spec.module, *spec.args,
-        ]
+        nodes = spec.nodes
+        if nodes is None:
+            where = [sys.executable, "-m", "harness.run.prefork" if spec.prefork else "torch.distributed.run",
+                     "--nnodes=1", f"--nproc-per-node={spec.world_size}",
+                     "--master-addr=127.0.0.1", f"--master-port={_free_port()}"]
+        else:  # torchrun's own c10d rendezvous; every rank starts from the command line
+            where = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes.count}",
+                     f"--nproc-per-node={spec.world_size // nodes.count}", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={nodes.endpoint}", f"--rdzv-id={nodes.rdzv_id}", "--max-restarts=0"]
+        cmd = [*where, f"--log-dir={self.log_dir / 'ranks'}", "--redirects=3", "-m", spec.module, *spec.args]
         self._launcher_log = open(self.log_dir / "torchrun.log", "wb")
         self.started_at = time.monotonic()
         # torchrun in a session of its own (the group kill), dying with this process (SIGKILL included).
-        self._proc = subprocess.Popen(cmd, env=_child_env(self.launch_id, spec.threads, spec.extra_pythonpath, spec.extra_env),
+        extra_env = spec.extra_env
+        if nodes is not None:
+            extra_env += ((NODE_RANK_VAR, str(nodes.rank)), (NODES_DIR_VAR, str(nodes.nodes_dir)),
+                          (LAUNCH_LABEL_VAR, nodes.label))
+        self._proc = subprocess.Popen(cmd, env=_child_env(self.launch_id, spec.threads, spec.extra_pythonpath, extra_env),
                                       stdout=self._launcher_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True, preexec_fn=lifeline.child_preexec)
 
@@ -137,7 +161,9 @@ class Launch:
             self._launcher_log.close()
 
     def rank_logs(self) -> tuple[RankLog, ...]:
-        return _read_rank_logs(self.log_dir / "ranks", self.spec.world_size)
+        if self.spec.nodes is None:
+            return _read_rank_logs(self.log_dir / "ranks", self.spec.world_size)
+        return _read_node_rank_logs(self.log_dir, self.spec.nodes, self.spec.world_size)
 
     def launcher_output(self) -> str:
         if not self._launcher_log.closed:
@@ -202,12 +228,51 @@ def launch(
     log_dir.mkdir(parents=True, exist_ok=True)
     plan_file = (log_dir / "plan.json").resolve()
     write_launch_plan(plan_file, plan, world_size, cells)
+    extra_env = (tuple((k, v) for k, v in RETURNING_MALLOC_ENV.items() if k not in os.environ)
+                 if memory_tight(plan, cells) else ())  # a user's own setting wins
+    nodes = None
+    if plan.nodes.many:  # [Note: Across nodes]: the other nodes start their part of it from this file
+        seq = len(list(nodes_dir(plan.out_dir).glob("launch-*.json")))
+        nodes = NodeLaunch(plan.nodes.count, 0, plan.nodes.endpoint, f"{plan.nodes.rdzv_id}-{plan.run_id[:8]}-{seq}",
+                           nodes_dir(plan.out_dir).resolve(), label)
+        announce_launch(plan.out_dir, seq, {
+            "run_id": plan.run_id, "label": label, "world_size": world_size, "nnodes": nodes.count,
+            "endpoint": nodes.endpoint, "rdzv_id": nodes.rdzv_id, "plan_file": str(plan_file),
+            "log_dir": str(log_dir.resolve()), "threads": plan.threads, "extra_pythonpath": list(plan.extra_pythonpath),
+            "extra_env": [list(kv) for kv in extra_env], "module": "harness.run.worker"})
     spec = TorchrunSpec(world_size, "harness.run.worker", (str(plan_file),), log_dir, plan.timeout_s, plan.threads,
-                        plan.extra_pythonpath, prefork=plan.device == "cpu",
-                        extra_env=tuple((k, v) for k, v in RETURNING_MALLOC_ENV.items() if k not in os.environ)
-                        if memory_tight(plan, cells) else ())  # a user's own setting wins
+                        plan.extra_pythonpath, prefork=plan.device == "cpu", extra_env=extra_env, nodes=nodes)
+    lost: list[int] = []
+    if nodes is not None:
+        started = time.monotonic()
+
+        def overdue(timeout_s: float, inner=overdue or (lambda t: time.monotonic() - started > t)) -> bool:
+            lost[:] = lost_nodes(plan.out_dir, plan.nodes.count, started)
+            return bool(lost) or inner(timeout_s)
     result = Launch(spec).run(on_poll, overdue)
-    return dataclasses.replace(result, cell_ids=tuple(c.cell_id for c in cells))
+    result = dataclasses.replace(result, cell_ids=tuple(c.cell_id for c in cells))
+    if nodes is not None and not result.ok and not lost:
+        # Ranks here often fail at once when a node is lost (a peer's connection reset), before its
+        # heartbeat is old enough to say so: wait that long for it, on failed launches only.
+        deadline = time.monotonic() + NODE_LOST_S + HEARTBEAT_S
+        while not lost and time.monotonic() < deadline:
+            time.sleep(HEARTBEAT_S)
+            lost[:] = lost_nodes(plan.out_dir, plan.nodes.count, started)
+    if lost:
+        result = dataclasses.replace(result, note=lost_text(plan.out_dir, label, lost))
+    return result
+
+
+def follower_launch(payload: dict, log_dir: Path, node_rank: int, nodes_directory: Path) -> Launch:
+    """This node's part of the launch node 0 announced in `payload` ([Note: Across nodes]), started."""
+    nodes = NodeLaunch(int(payload["nnodes"]), node_rank, payload["endpoint"], payload["rdzv_id"],
+                       nodes_directory.resolve(), payload["label"])
+    spec = TorchrunSpec(int(payload["world_size"]), payload["module"], (payload["plan_file"],), log_dir, None,
+                        int(payload["threads"]), tuple(payload["extra_pythonpath"]),
+                        tuple(tuple(kv) for kv in payload["extra_env"]), nodes=nodes)
+    launch = Launch(spec)
+    launch.start()
+    return launch
 
 
 # [Note: Freed memory kept]
@@ -328,6 +393,30 @@ def _kill_launch(launch_id: str, grace_s: float = 1.0) -> int:
     while time.monotonic() < deadline and _processes_with(launch_id):
         time.sleep(0.05)
     return len(pids)
+
+
+def _read_node_rank_logs(log_dir: Path, nodes: NodeLaunch, world_size: int) -> tuple[RankLog, ...]:
+    """Every launch rank's logs across the nodes (node 0's under `log_dir`, node k's under
+    `log_dir`/node<k>), found by the node and local rank each rank recorded; empty for a rank that
+    recorded none (it never started)."""
+    where: dict[int, tuple[int, str]] = {}
+    for path in (nodes.nodes_dir / nodes.label).glob("rank-*"):
+        try:
+            node, local = path.read_text().split()[:2]
+            where[int(path.name.removeprefix("rank-"))] = (int(node), local)
+        except (OSError, ValueError):
+            continue
+    logs = []
+    for rank in range(world_size):
+        texts = {"stdout": "", "stderr": ""}
+        if rank in where:
+            node, local = where[rank]
+            base = (log_dir if node == 0 else log_dir / f"node{node}") / "ranks"
+            for stream in texts:
+                found = sorted(base.glob(f"**/attempt_*/{local}/{stream}.log"))
+                texts[stream] = found[-1].read_text(errors="replace") if found else ""
+        logs.append(RankLog(rank, texts["stdout"], texts["stderr"]))
+    return tuple(logs)
 
 
 def _read_rank_logs(log_dir: Path, world_size: int) -> tuple[RankLog, ...]:

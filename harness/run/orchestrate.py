@@ -283,6 +283,10 @@ def run_plan(plan: RunPlan, progress: Progress | None = None,
             for cell in charged:
                 outcome.errors[cell.cell_id] = _ran_in(plan, cell) + result.failure_text()
             pending = [c for c in unfinished if c not in charged]  # the others run again
+            if result.note:  # a node is lost ([Note: Across nodes] in harness/run/nodes.py): nothing can run
+                for cell in pending:
+                    outcome.errors[cell.cell_id] = f"not run: {result.note}"
+                pending = []
             if result.timed_out:
                 # A hang is not retried: each retry could cost another --timeout, and each world
                 # size must end within --timeout plus a few seconds. Larger world sizes still run.

@@ -36,6 +36,7 @@ class LaunchResult:
     launcher_output: str
     log_dir: Path
     leftover_processes_killed: int
+    note: str = ""  # what ended it besides its ranks (a node lost: harness/run/nodes.py)
 
     @property
     def ok(self) -> bool:
@@ -45,6 +46,8 @@ class LaunchResult:
         """Why the launch failed, as one prefixed block per rank that said anything useful."""
         head = (f"launch W={self.world_size} timed out after {self.wall_s:.1f}s (stacks below)"
                 if self.timed_out else f"launch W={self.world_size} exited {self.returncode}")
+        if self.note:
+            head = f"launch W={self.world_size} ended after {self.wall_s:.1f}s: {self.note} (stacks below)"
         root = self.first_failed_rank()
         if root is not None:
             head += f"; first failure: rank {root}"

@@ -84,6 +84,27 @@ class Cell:
 
 
 @dataclass(frozen=True)
+class Nodes:
+    """The hosts a run's launches span ([Note: Across nodes] in harness/run/nodes.py): `count` nodes
+    meeting at torchrun's c10d rendezvous `endpoint` (HOST:PORT) under `rdzv_id`; this process is
+    node `rank` (0 runs the plan, judges and reports; the others run their ranks and exit with its
+    verdict). One node: none of it applies."""
+
+    count: int = 1
+    rank: int = 0
+    endpoint: str = ""
+    rdzv_id: str = "harness"
+
+    @property
+    def many(self) -> bool:
+        return self.count > 1
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
 class RunPlan:
     cells: tuple[Cell, ...]  # the cells under test
     references: tuple[Cell, ...]  # one per case: impl=single at W = 1
@@ -99,6 +120,7 @@ class RunPlan:
     # The cases whose cells their own rank 0 judges ([Note: Judged where the evidence lives] in
     # harness/run/judged.py); the others write snapshots that the parent judges.
     judged_on_ranks: tuple[str, ...] = ()
+    nodes: Nodes = Nodes()
     # Stamped into every launch plan, snapshot, initial state and report of this run: evidence
     # carrying another id is never judged (see harness/judge/verdict.py).
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -157,6 +179,29 @@ def check_world_size(size: int, flag: str, device: str = "cpu") -> None:
                         f"on one CPU host (each rank is a process importing torch); use a smaller world size")
 
 
+def check_nodes(nodes: Nodes, world_sizes: tuple[int, ...], launch_per_cell: bool) -> None:
+    """--nnodes, --node-rank, --rdzv-endpoint: refused before any rank starts where they cannot
+    work ([Note: Across nodes] in harness/run/nodes.py)."""
+    if nodes.count < 1:
+        raise PlanError(f"--nnodes={nodes.count} must be >= 1")
+    if not 0 <= nodes.rank < nodes.count:
+        raise PlanError(f"--node-rank={nodes.rank} must be between 0 and --nnodes - 1 = {nodes.count - 1}")
+    if not nodes.many:
+        return
+    host, _, port = nodes.endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PlanError(f"--nnodes {nodes.count} needs --rdzv-endpoint HOST:PORT (the rendezvous every node "
+                        f"meets at), got {nodes.endpoint!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", nodes.rdzv_id):
+        raise PlanError(f"--rdzv-id={nodes.rdzv_id!r}: use letters, digits, '.', '_' and '-'")
+    if launch_per_cell:
+        raise PlanError("--launch-per-cell runs on one node; drop --nnodes")
+    launch_size = max(world_sizes)
+    if launch_size % nodes.count:
+        raise PlanError(f"--nnodes {nodes.count}: the launch of {launch_size} ranks (the largest of --world-sizes) "
+                        f"does not split evenly over {nodes.count} nodes")
+
+
 def _cell_faults(faults: tuple[str, ...], impl: str, world_size: int) -> tuple[str, ...]:
     """impl/'s faults on impl=ours cells; collective faults on every cell with collectives (W > 1);
     the training loop's on every cell."""
@@ -201,6 +246,7 @@ class RunRequest:
     backend: str = "gloo"
     device: str = "cpu"
     judge_on: str = "auto"  # JUDGE_ON
+    nodes: Nodes = Nodes()
 
 
 def build_plan(request: RunRequest | None = None, **fields) -> RunPlan:
@@ -211,6 +257,8 @@ def build_plan(request: RunRequest | None = None, **fields) -> RunPlan:
     steps, timeout_s, out_dir, threads = request.steps, request.timeout_s, request.out_dir, request.threads
     faults, fault_copies, judge_on = request.faults, request.fault_copies, request.judge_on
     backend, device, launch_per_cell = request.backend, request.device, request.launch_per_cell
+    nodes = request.nodes
+    check_nodes(nodes, world_sizes, launch_per_cell)
     from harness.adapters.registry import resolve_impl  # imports torch; kept out of plain Cell use
 
     case_names: dict[str, str] = {}
@@ -327,9 +375,14 @@ def build_plan(request: RunRequest | None = None, **fields) -> RunPlan:
         raise PlanError(f"--judge-on={judge_on!r} must be one of {list(JUDGE_ON)}")
     judged_on_ranks = tuple(name for name in cases if any(c.case == name for c in cells)
                             and (judge_on == "ranks" or (judge_on == "auto" and num_parameters(name) >= JUDGE_ON_RANKS_FROM)))
+    if nodes.many:
+        apart = sorted({c.impl for c in cells if adapters[c.impl].process_per_world})
+        if apart:
+            raise PlanError(f"--nnodes {nodes.count}: impl {apart[0]} needs a launch per world size, which runs on "
+                            f"one node; run it without --nnodes")
     return RunPlan(tuple(cells), references, Path(out_dir), float(timeout_s), threads, launch_per_cell,
                    tuple(dict.fromkeys(extra_paths)), tuple(skipped), notes, backend, device,
-                   judged_on_ranks=judged_on_ranks)
+                   judged_on_ranks=judged_on_ranks, nodes=nodes)
 
 
 JUDGE_ON = ("auto", "ranks", "parent")

@@ -37,6 +37,7 @@ from harness.judge.diff import PARAM_UNIT_ROUNDOFF, ReferenceComparison, compare
 from harness.judge.contracts import active_contracts
 from harness.run.collectives import CollectiveLedger
 from harness.run.judged import RankJudge, on_device, record_on
+from harness.run.nodes import record_rank
 from harness.run.plan import REFERENCE_IMPL, Cell
 from harness.run.rank import (pick_evidence, pick_grads, rank_epilogue, rank_prologue, release_freed_memory,
                               replica_digests, train_step)
@@ -793,6 +794,7 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
 
 
 def main(argv: list[str]) -> int:
+    record_rank()  # across nodes: which node this rank runs on (harness/run/nodes.py)
     plan = json.loads(Path(argv[1]).read_text())
     backend = plan.get("backend", "gloo")
     world = rank_prologue(plan["threads"], backend, plan.get("device", "cpu"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from harness.errors import CannotTest, UsageError, UserError
 
-RUN_GENERATED = ("snapshots", "logs", "init")  # what a run writes besides its report set (plan.py dirs)
+RUN_GENERATED = ("snapshots", "logs", "init", "nodes")  # what a run writes besides its report set (plan.py dirs)
 
 
 class Parser(argparse.ArgumentParser):
@@ -37,6 +37,14 @@ def add_matrix_args(p: argparse.ArgumentParser, *, cases, impls, world_sizes, da
                    help="where each cell is judged: ranks (its own rank 0, as the evidence is taken: the parent gets "
                         "results, never a copy of the model), parent (from snapshots), auto (ranks for models of "
                         "2^20 parameters or more, unless --keep-evidence asks for the snapshots; default)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the launch spans, each running this same command with its own --node-rank "
+                        "(docs/multinode.md; default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index: 0 runs the plan, judges and writes the reports; the others run "
+                        "their ranks and exit with node 0's verdict (default 0)")
+    p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of torchrun's c10d rendezvous (with --nnodes > 1)")
+    p.add_argument("--rdzv-id", default="harness", help="the rendezvous id every node of the run gives (default harness)")
     p.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted impl/ bugs, for tests
     # for tests: besides every cell, one copy of it per listed fault (a battery of planted bugs, one launch)
     p.add_argument("--fault-copies", default="", help=argparse.SUPPRESS)
@@ -52,7 +60,7 @@ def out_dir(value: str, flag: str = "--out") -> Path:
 
 def request_from_args(args):
     """The run the matrix flags ask for (harness/run/plan.py RunRequest), parsed once."""
-    from harness.run.plan import RunRequest, parse_csv, parse_world_sizes
+    from harness.run.plan import Nodes, RunRequest, parse_csv, parse_world_sizes
 
     world_sizes = "1,2,4,8" if getattr(args, "full", False) else args.world_sizes
     return RunRequest(
@@ -70,6 +78,7 @@ def request_from_args(args):
         threads=args.threads,
         launch_per_cell=args.launch_per_cell,
         judge_on=judge_on(args),
+        nodes=Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id),
     )
 
 
