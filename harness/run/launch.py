@@ -240,7 +240,8 @@ def launch(
             "endpoint": nodes.endpoint, "rdzv_id": nodes.rdzv_id, "plan_file": str(plan_file),
             "log_dir": str(log_dir.resolve()), "threads": plan.threads, "extra_pythonpath": list(plan.extra_pythonpath),
             "extra_env": [list(kv) for kv in extra_env], "module": "harness.run.worker"})
-    spec = TorchrunSpec(world_size, "harness.run.worker", (str(plan_file),), log_dir, plan.timeout_s, plan.threads,
+    timeout_s = max(plan.timeout_for(w) for w in {(plan.world_sizes[0] if c.is_reference else c.world_size) for c in cells})
+    spec = TorchrunSpec(world_size, "harness.run.worker", (str(plan_file),), log_dir, timeout_s, plan.threads,
                         plan.extra_pythonpath, prefork=plan.device == "cpu", extra_env=extra_env, nodes=nodes)
     lost: list[int] = []
     if nodes is not None:

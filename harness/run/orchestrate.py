@@ -206,8 +206,10 @@ class _WorldSizeClock:
             self.world_size, self.since = _runs_at(self.plan, cell), time.monotonic()
 
     def overdue(self, timeout_s: float) -> bool:
+        """Past the current world size's own timeout (`timeout_s`, the launch's, is the largest)."""
         self.tick()
-        limit = min(timeout_s, EXIT_GRACE_S) if self.exiting else timeout_s
+        own = min(timeout_s, self.plan.timeout_for(self.world_size))
+        limit = min(own, EXIT_GRACE_S) if self.exiting else own
         return time.monotonic() - self.since > limit
 
 

@@ -109,7 +109,7 @@ class RunPlan:
     cells: tuple[Cell, ...]  # the cells under test
     references: tuple[Cell, ...]  # one per case: impl=single at W = 1
     out_dir: Path
-    timeout_s: float  # per torchrun launch (one launch per world size)
+    timeout_s: float  # per world size of a launch: exactly, or the base of `timeout_for` when scaled
     threads: int = 1  # intra-op threads in every rank, equal at every world size
     launch_per_cell: bool = False  # one torchrun per cell: only to measure what batching saves
     extra_pythonpath: tuple[str, ...] = field(default_factory=tuple)
@@ -121,6 +121,7 @@ class RunPlan:
     # harness/run/judged.py); the others write snapshots that the parent judges.
     judged_on_ranks: tuple[str, ...] = ()
     nodes: Nodes = Nodes()
+    timeout_scaled: bool = False  # no --timeout given: `timeout_for` grows with the models' size
     # Stamped into every launch plan, snapshot, initial state and report of this run: evidence
     # carrying another id is never judged (see harness/judge/verdict.py).
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -134,6 +135,13 @@ class RunPlan:
         # other ranks skip them), so a plan without W = 1 pays for no extra launch.
         refs = self.references if world_size == self.world_sizes[0] else ()
         return refs + tuple(c for c in self.cells if c.world_size == world_size)
+
+    def timeout_for(self, world_size: int) -> float:
+        """Seconds the cells of `world_size` get in a launch ([Note: Timeout by size])."""
+        if not self.timeout_scaled:
+            return self.timeout_s
+        work = sum(num_parameters(c.case) * c.steps for c in self.cells_for(world_size))
+        return self.timeout_s + SECONDS_PER_PARAMETER_STEP * work
 
     @property
     def snapshot_dir(self) -> Path:
@@ -237,7 +245,7 @@ class RunRequest:
     world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
     data_modes: tuple[str, ...] | None = DEFAULT_DATA_MODES  # None: each case's own
     steps: int | None = None  # None: each case's own
-    timeout_s: float = 600.0  # per world size
+    timeout_s: float | None = None  # per world size; None: DEFAULT_TIMEOUT_S scaled by size ([Note: Timeout by size])
     out_dir: str | Path = "reports"
     faults: tuple[str, ...] = ()  # planted in every cell
     fault_copies: tuple[str, ...] = ()  # one more copy of every cell per fault
@@ -302,7 +310,7 @@ def build_plan(request: RunRequest | None = None, **fields) -> RunPlan:
     if steps is not None and not 1 <= steps <= MAX_STEPS:
         raise PlanError(f"--steps={steps} must be between 1 and {MAX_STEPS} (every step's full parameters, gradients "
                         f"and shadow state are kept as evidence)")
-    if not timeout_s > 0:
+    if timeout_s is not None and not timeout_s > 0:
         raise PlanError(f"--timeout={timeout_s} must be > 0 seconds")
     if threads < 1:
         raise PlanError(f"threads={threads} must be >= 1")
@@ -380,10 +388,22 @@ def build_plan(request: RunRequest | None = None, **fields) -> RunPlan:
         if apart:
             raise PlanError(f"--nnodes {nodes.count}: impl {apart[0]} needs a launch per world size, which runs on "
                             f"one node; run it without --nnodes")
-    return RunPlan(tuple(cells), references, Path(out_dir), float(timeout_s), threads, launch_per_cell,
-                   tuple(dict.fromkeys(extra_paths)), tuple(skipped), notes, backend, device,
-                   judged_on_ranks=judged_on_ranks, nodes=nodes)
+    return RunPlan(tuple(cells), references, Path(out_dir), float(timeout_s or DEFAULT_TIMEOUT_S), threads,
+                   launch_per_cell, tuple(dict.fromkeys(extra_paths)), tuple(skipped), notes, backend, device,
+                   judged_on_ranks=judged_on_ranks, nodes=nodes, timeout_scaled=timeout_s is None)
 
+
+# [Note: Timeout by size]
+# A hang must end, and an honest run must not: without --timeout, the cells of a world size get
+# DEFAULT_TIMEOUT_S plus SECONDS_PER_PARAMETER_STEP for every parameter x step of each of them (the
+# references with the smallest world size). Measured on this project's 2-core VM (the slowest
+# machine it runs on): GPT-2 small (124M parameters) at W = 2, 2 steps, its reference and ours in one
+# world size, took 428 s honest and 658 s with a planted fault (every element then differs and the
+# bias check sorts them all): 1.3 us per parameter, step and cell; the default allows 4x that, so a
+# slower machine or a busier one still finishes, and the 600 s of small models (start-up, imports,
+# the catalog's cells) stay as they were. An explicit --timeout is used as given.
+DEFAULT_TIMEOUT_S = 600.0
+SECONDS_PER_PARAMETER_STEP = 5e-6
 
 JUDGE_ON = ("auto", "ranks", "parent")
 # --judge-on auto: a case of this many parameters or more is judged by its cells' own rank 0

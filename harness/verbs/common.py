@@ -24,7 +24,9 @@ def add_matrix_args(p: argparse.ArgumentParser, *, cases, impls, world_sizes, da
     p.add_argument("--world-sizes", default=world_sizes, help=f"comma-separated (default {world_sizes})")
     p.add_argument("--data", default=data, help="identical,split (default: each case's own data_modes)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the case's)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per world size (one torchrun runs them all, default 600)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per world size (one torchrun runs them all; default 600 plus 5 us per parameter, "
+                        "step and cell of that world size: minutes more for real models)")
     p.add_argument("--out", default=out, help=f"output directory (default {out})")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads in every rank (default 1)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend (default gloo)")

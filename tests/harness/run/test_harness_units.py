@@ -244,3 +244,20 @@ def test_a_case_whose_batch_cannot_grow_is_refused(tmp_path):
         "    return dataclasses.replace(base, name='fixed_batch', make_batch=eight)\n")
     with pytest.raises(PlanError, match="shape \\(8, 13\\); dim 0 must be the batch \\(global_batch=24\\)"):
         build_plan(cases=(f"{fixed}:make_case",), impls=("ours",), world_sizes=(1, 3), out_dir=tmp_path)
+
+
+def test_the_timeout_grows_with_the_models_unless_given(tmp_path):
+    """[Note: Timeout by size]: per world size, 600 s plus 5 us per parameter x step of each of its
+    cells (the references with the smallest); --timeout as given."""
+    from harness.run.plan import DEFAULT_TIMEOUT_S, SECONDS_PER_PARAMETER_STEP, num_parameters
+
+    plan = build_plan(cases=("mlp", "transformer"), impls=("ours", "fsdp2"), world_sizes=(1, 2), data_modes=("split",),
+                      steps=3, out_dir=tmp_path)
+    params = {c: num_parameters(c) for c in ("mlp", "transformer")}
+    # W = 1: the two references and ours, fsdp2 of each case; W = 2: ours, fsdp2 of each
+    assert plan.timeout_for(1) == pytest.approx(DEFAULT_TIMEOUT_S + SECONDS_PER_PARAMETER_STEP * 3 * 3 * sum(params.values()))
+    assert plan.timeout_for(2) == pytest.approx(DEFAULT_TIMEOUT_S + SECONDS_PER_PARAMETER_STEP * 3 * 2 * sum(params.values()))
+    given = build_plan(cases=("mlp",), impls=("ours",), world_sizes=(1, 2), steps=3, out_dir=tmp_path, timeout_s=42.0)
+    assert (given.timeout_for(1), given.timeout_for(2)) == (42.0, 42.0)
+    # GPT-2 small, 2 steps, its reference and one cell at W = 2: over an hour, where 600 s ran out
+    assert DEFAULT_TIMEOUT_S + SECONDS_PER_PARAMETER_STEP * 2 * 2 * 123.7e6 > 3000
