@@ -45,7 +45,7 @@ class Seams:
         """Whether a parameter reached under a second name shares the first name's slot."""
         return shared
 
-    def reshard_after_forward(self, configured: bool) -> bool:
+    def reshard_after_forward(self, configured: bool | None) -> bool | None:
         return configured
 
     # -- sharding at init (impl/_handle.py) -------------------------------------------------------

@@ -1,7 +1,8 @@
 """The hooks and lifecycle of one wrapped module (a "unit") and of the root unit.
 
 Forward:  pre-hook unshards (all-gather) and points the original names at views;
-          post-hook reshards unless reshard_after_forward=False or this is the root, and
+          post-hook reshards where `reshards_after_forward` says so (FSDP2's rule: None reshards
+          every unit but the root, True every unit, the root too; False none), and
           registers a hook on the outputs that re-gathers before this unit's backward.
 Backward: each parameter view's post-accumulate-grad hook keeps its gradient as its slot's (or
           adds it into it); after the last one the unit reshards ([Note: Views into the unsharded
@@ -83,12 +84,12 @@ class FSDPUnit:
         self,
         module: nn.Module,
         handles: list[FlatParamHandle],
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | None,
         cast_inputs_to: torch.dtype | None,
     ) -> None:
         self.module = module
         self.handles = handles
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward  # as configured: None, True or False
         self.cast_inputs_to = cast_inputs_to
         self.training_state = TrainingState.IDLE  # moved by `_enter` only ([Note: Unit lifecycle])
         self.name = type(module).__name__
@@ -141,6 +142,14 @@ class FSDPUnit:
     def root_unit(self) -> FSDPUnit | None:
         """The root this unit runs under (itself for the root); None before the root's first forward."""
         return self if self.is_root else self.root
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether post-forward frees the unsharded parameters (backward gathers them again): as
+        configured, and where that is None every unit but the root (whose backward starts at once)."""
+        if self.reshard_after_forward is None:
+            return not self.is_root
+        return self.reshard_after_forward
 
     def in_backward(self) -> bool:
         """Whether a forward now is a recomputation inside backward ([Note: Unit lifecycle])."""
@@ -213,7 +222,7 @@ class FSDPUnit:
             # Recomputation (activation checkpointing) inside backward: the parameters stay
             # unsharded until this unit's gradients are reduced.
             return output
-        if self.reshard_after_forward and not self.is_root:
+        if self.reshards_after_forward:
             for handle in self.handles:
                 handle.reshard(for_backward_regather=True)
         root = self.root_unit

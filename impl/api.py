@@ -104,7 +104,7 @@ def fully_shard(
     process_group: dist.ProcessGroup | None = None,
     replicate_group: dist.ProcessGroup | None = None,
     mesh=None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     comm_stats: CommStats | None = None,
@@ -119,13 +119,19 @@ def fully_shard(
     mesh: a DeviceMesh instead of groups: 1-D shards over it, 2-D is (replicate, shard) (HSDP);
         a shard dimension of size 1 with replicate = world is NO_SHARD (DDP through this API).
     reshard_after_forward: False keeps parameters unsharded from forward to backward (ZeRO-2,
-        SHARD_GRAD_OP).
+        SHARD_GRAD_OP); True frees them after forward and gathers them again for backward, the
+        root's too; None (the default) is True for every unit but the root, as in FSDP2. An int
+        (FSDP2: reshard to a smaller group) is refused: impl reshards to the whole shard group.
     mp_policy: parameter (compute) and gradient-reduction dtypes; master weights keep theirs.
     offload_policy: sharded state on the CPU, all-gathered onto `compute_device` for compute.
     comm_stats: counts the bytes of every collective this unit issues.
     """
     if "_fsdp_unit" in module.__dict__:
         raise ValueError(f"fully_shard({type(module).__name__}): module is already wrapped")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard({type(module).__name__}): reshard_after_forward={reshard_after_forward!r}: impl reshards "
+            f"to the whole shard group only; pass True, False or None")
     taken = [fqn or "<self>" for fqn, sub in _unwrapped_modules(module) if _OWNED_BY_ATTR in sub.__dict__]
     if taken:
         raise ValueError(

@@ -126,3 +126,34 @@ def test_a_move_the_lifecycle_forbids_is_raised_with_rank_and_unit():
     model.fail = False
     with pytest.raises(RuntimeError, match=r"rank 0: FSDP unit '<root>' moved from FORWARD to FORWARD"):
         model(torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("configured, root_after_forward", [(None, "UNSHARDED"), (True, "SHARDED"),
+                                                            (False, "UNSHARDED")])
+def test_the_root_reshards_after_forward_by_fsdp2s_rule(configured, root_after_forward):
+    """None: every unit but the root; True: the root too (backward gathers it again); False: none.
+    The gradients are the plain model's either way."""
+    from impl._handle import HandleState
+
+    torch.manual_seed(0)
+    ref = TransformerLM(TransformerConfig(n_layer=2))
+    ours = copy.deepcopy(ref)
+    for block in ours.blocks:
+        fully_shard(block, reshard_after_forward=configured)
+    fully_shard(ours, reshard_after_forward=configured)
+    x, y = lm_batch(0)
+    out = ours(x)
+    root = ours.__dict__["_fsdp_unit"]
+    assert {h.state.name for h in root.handles} == {root_after_forward}
+    blocks = {h.state for b in ours.blocks for h in b.__dict__["_fsdp_unit"].handles}
+    assert blocks == {HandleState.UNSHARDED if configured is False else HandleState.SHARDED}
+    lm_loss(out, y).backward()
+    lm_loss(ref(x), y).backward()
+    grads = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert torch.equal(grads[name].grad.reshape(-1), p.grad.reshape(-1)), name
+
+
+def test_resharding_to_a_smaller_group_is_refused():
+    with pytest.raises(NotImplementedError, match="reshard_after_forward=2: impl reshards to the whole shard group"):
+        fully_shard(nn.Linear(4, 4), reshard_after_forward=2)
