@@ -178,7 +178,7 @@ _FEATURE_CASES = (
              "with one schedule per group (warm-up, decay), stepped after every optimizer step",
              Features(), optimizers=_SCHEDULED_OPTIMIZERS),
     _lm_case("cpu_offload", "parameters and optimizer state on the CPU, compute on the accelerator",
-             Features(requires_device="cuda")),
+             Features(cpu_offload=True, requires_device="cuda")),
 )
 CASES.update({case.name: case for case in _FEATURE_CASES})
 

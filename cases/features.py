@@ -35,6 +35,7 @@ class Features:
     zero1: bool = False  # optimizer-state-only sharding: no fully_shard, ZeroRedundancyOptimizer
     checkpoint_reshard_at: tuple[int, ...] = ()  # after these steps: save sharded, reload resharded
     refused_wrap: tuple[str, ...] = ()  # wrapping these separately must raise a clear error
+    cpu_offload: bool = False  # sharded parameters, gradients, optimizer state on the CPU; compute on the rank's device
     requires_device: str | None = None  # e.g. "cuda": cells are skipped, with this reason, elsewhere
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ from impl._state_dict import (
     load_full_state_dict,
     local_shards,
 )
-from impl.api import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, units
+from impl.api import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, units
 from impl._checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from impl._clip import clip_grad_norm_
 from impl._wrap import AnyPolicy, ModuleClassPolicy, SizePolicy, auto_wrap
@@ -26,6 +26,7 @@ from impl._zero1 import ZeroRedundancyOptimizer
 
 __all__ = [
     "AnyPolicy",
+    "CPUOffloadPolicy",
     "ModuleClassPolicy",
     "OffloadPolicy",
     "SizePolicy",

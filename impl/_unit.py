@@ -86,11 +86,13 @@ class FSDPUnit:
         handles: list[FlatParamHandle],
         reshard_after_forward: bool | None,
         cast_inputs_to: torch.dtype | None,
+        cast_outputs_to: torch.dtype | None = None,
     ) -> None:
         self.module = module
         self.handles = handles
         self.reshard_after_forward = reshard_after_forward  # as configured: None, True or False
         self.cast_inputs_to = cast_inputs_to
+        self.cast_outputs_to = cast_outputs_to  # MixedPrecisionPolicy.output_dtype
         self.training_state = TrainingState.IDLE  # moved by `_enter` only ([Note: Unit lifecycle])
         self.name = type(module).__name__
         self.is_root: bool | None = None  # decided at the first forward
@@ -229,6 +231,8 @@ class FSDPUnit:
         if root is not None:
             self._next_in_backward, root._last_post_forward = root._last_post_forward, self
             self.forward_end = root._tick()
+        if self.cast_outputs_to is not None:
+            output = _cast_floating(output, self.cast_outputs_to)
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]

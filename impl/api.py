@@ -26,10 +26,11 @@ class MixedPrecisionPolicy:
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None  # the unit's floating outputs cast to it (None: as computed)
     cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             dtype = getattr(self, name)
             if dtype is not None and not dtype.is_floating_point:
                 raise ValueError(f"MixedPrecisionPolicy.{name}={dtype} must be a floating dtype")
@@ -72,9 +73,22 @@ class FSDPModule:
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """Keep sharded parameters, gradients and optimizer state on the CPU; compute on `device`."""
+    """No offloading (FSDP2's base policy): the shards live where the parameters were."""
 
-    compute_device: torch.device
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, gradients and optimizer state on the CPU; all-gather them onto the
+    compute device for forward and backward. `compute_device` (impl's addition): None means the
+    current CUDA device where there is one, else the CPU (offloading is then a no-op)."""
+
+    pin_memory: bool = True
+    compute_device: torch.device | str | None = None
+
+    def resolved_device(self) -> torch.device:
+        if self.compute_device is not None:
+            return torch.device(self.compute_device)
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _unit_of(module: nn.Module, caller: str):
@@ -123,7 +137,8 @@ def fully_shard(
         root's too; None (the default) is True for every unit but the root, as in FSDP2. An int
         (FSDP2: reshard to a smaller group) is refused: impl reshards to the whole shard group.
     mp_policy: parameter (compute) and gradient-reduction dtypes; master weights keep theirs.
-    offload_policy: sharded state on the CPU, all-gathered onto `compute_device` for compute.
+    offload_policy: OffloadPolicy() keeps the shards where they are (the default); CPUOffloadPolicy()
+        keeps them on the CPU, all-gathered onto its compute device for compute.
     comm_stats: counts the bytes of every collective this unit issues.
     """
     if "_fsdp_unit" in module.__dict__:
@@ -157,7 +172,7 @@ def fully_shard(
         groups=ShardGroups(process_group, replicate_group, shard_rank, shard_world_size, replicate_world_size),
         precision=Precision(mp_policy.param_dtype, mp_policy.reduce_dtype),
         stats=comm_stats,
-        compute_device=None if offload_policy is None else torch.device(offload_policy.compute_device),
+        compute_device=offload_policy.resolved_device() if isinstance(offload_policy, CPUOffloadPolicy) else None,
         seams=seams,
     )
     handles = []
@@ -175,6 +190,7 @@ def fully_shard(
         handles,
         reshard_after_forward=seams.reshard_after_forward(reshard_after_forward),
         cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
+        cast_outputs_to=mp_policy.output_dtype,
     )
     module.__dict__["_fsdp_unit"] = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)

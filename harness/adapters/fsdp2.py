@@ -36,6 +36,10 @@ class FSDP2(Adapter):
         else:
             mesh = make_mesh(features, ctx.world_size, ctx.device.type)
         kwargs = {"mesh": mesh, "reshard_after_forward": features.reshard_after_forward}
+        if features.cpu_offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            kwargs["offload_policy"] = CPUOffloadPolicy()
         if features.mixed_precision:
             kwargs["mp_policy"] = MixedPrecisionPolicy(
                 DTYPES[features.param_dtype], DTYPES[features.reduce_dtype] if features.reduce_dtype else None)

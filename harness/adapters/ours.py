@@ -34,6 +34,8 @@ class Ours(Adapter):
             kwargs["process_group"] = ctx.group
         else:
             kwargs["mesh"] = make_mesh(features, ctx.world_size, ctx.device.type)
+        if features.cpu_offload:
+            kwargs["offload_policy"] = impl.CPUOffloadPolicy(compute_device=ctx.device)
         if features.mixed_precision:
             kwargs["mp_policy"] = impl.MixedPrecisionPolicy(
                 DTYPES[features.param_dtype], DTYPES[features.reduce_dtype] if features.reduce_dtype else None)

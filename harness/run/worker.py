@@ -225,7 +225,21 @@ def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, init_state, i
     if features.meta_init:
         adapter.materialize(wrapped, init_state, ctx.device)
         _load_nonpersistent_after_meta(wrapped, init_state, init_buffers)
+    if features.cpu_offload:
+        _check_offloaded(adapter, wrapped, ctx)
     return wrapped
+
+
+def _check_offloaded(adapter: Adapter, wrapped: nn.Module, ctx: RankContext) -> None:
+    """A case asking for CPU offload is judged only where the sharded state is on the CPU: an
+    implementation that ignores the policy trains correctly on the device, and would pass a check
+    of values alone (on a CPU rank there is nothing to tell apart)."""
+    shards = adapter.raw_shards(wrapped)
+    elsewhere = sorted({str(s.data.device) for s in shards if s.data.device.type != "cpu"})
+    if not shards or elsewhere:
+        raise RuntimeError(f"rank {ctx.rank}: impl={adapter.name} was asked for CPU offload (case feature "
+                           f"cpu_offload) but its sharded parameters are on {elsewhere or 'no shard it reports'}: "
+                           f"the policy was not applied")
 
 
 def _load_nonpersistent_after_meta(wrapped: nn.Module, init_state: dict[str, torch.Tensor],

@@ -157,3 +157,28 @@ def test_the_root_reshards_after_forward_by_fsdp2s_rule(configured, root_after_f
 def test_resharding_to_a_smaller_group_is_refused():
     with pytest.raises(NotImplementedError, match="reshard_after_forward=2: impl reshards to the whole shard group"):
         fully_shard(nn.Linear(4, 4), reshard_after_forward=2)
+
+
+def test_offload_policies_mean_what_fsdp2s_do():
+    """OffloadPolicy() is no offload; CPUOffloadPolicy() keeps the shards on the CPU and computes
+    on its device (the CPU where there is no GPU)."""
+    from impl import CPUOffloadPolicy, OffloadPolicy
+
+    plain = fully_shard(nn.Linear(4, 4), offload_policy=OffloadPolicy())
+    assert plain.__dict__["_fsdp_unit"].handles[0].comm.compute_device is None
+    offloaded = fully_shard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy())
+    assert offloaded.__dict__["_fsdp_unit"].handles[0].comm.compute_device == (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    assert all(p.device.type == "cpu" for p in offloaded.parameters())
+
+
+def test_output_dtype_casts_the_units_floating_outputs():
+    from impl import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = fully_shard(nn.Linear(4, 4), mp_policy=MixedPrecisionPolicy(output_dtype=torch.bfloat16))
+    out = model(torch.ones(2, 4))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+

@@ -261,3 +261,19 @@ def test_the_timeout_grows_with_the_models_unless_given(tmp_path):
     assert (given.timeout_for(1), given.timeout_for(2)) == (42.0, 42.0)
     # GPT-2 small, 2 steps, its reference and one cell at W = 2: over an hour, where 600 s ran out
     assert DEFAULT_TIMEOUT_S + SECONDS_PER_PARAMETER_STEP * 2 * 2 * 123.7e6 > 3000
+
+
+def test_a_case_asking_for_offload_is_refused_where_the_shards_are_not_on_the_cpu():
+    from types import SimpleNamespace
+
+    import torch
+
+    from harness.adapters.base import RawShard
+    from harness.run.worker import _check_offloaded
+
+    def adapter(device):
+        return SimpleNamespace(name="stub", raw_shards=lambda model: [
+            RawShard(key="w", data=torch.empty(4, device=device), grad=None, padding_intervals=())])
+    _check_offloaded(adapter("cpu"), None, SimpleNamespace(rank=0))
+    with pytest.raises(RuntimeError, match="asked for CPU offload .* on \\['meta'\\]: the policy was not applied"):
+        _check_offloaded(adapter("meta"), None, SimpleNamespace(rank=0))
