@@ -18,7 +18,8 @@ from impl._state_dict import (
     load_full_state_dict,
     local_shards,
 )
-from impl.api import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, units
+from impl.api import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, fully_shard,
+                      register_fsdp_forward_method, units)
 from impl._checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from impl._clip import clip_grad_norm_
 from impl._wrap import AnyPolicy, ModuleClassPolicy, SizePolicy, auto_wrap
@@ -44,6 +45,8 @@ __all__ = [
     "full_grad_dict",
     "full_state_dict",
     "fully_shard",
+    "register_fsdp_forward_method",
+    "UnshardHandle",
     "init_meta_module",
     "load_full_state_dict",
     "local_shards",

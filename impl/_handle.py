@@ -190,6 +190,7 @@ class FlatParamHandle:
         self._pending: tuple | None = None  # (work, input) of an all-gather in flight
         self.reducer = GradReducer()  # the root's, shared by every unit under it, after its first forward
         self.sync_grads = True  # False: keep accumulating the unsharded gradient (no_sync)
+        self.divide_factor: float | None = None  # the reduced sum's divisor, if not the data-parallel size
         # Gradient-tracking views were handed out, or gradients came, since the last reduction: the
         # unit reduces at its next rank-consistent point ([Note: Rank-consistent reductions]).
         self.reduce_due = False
@@ -529,7 +530,9 @@ class FlatParamHandle:
         sharded_grad, flags = reduced[:self.layout.shard_numel], reduced[self.layout.shard_numel:]
         used = c.seams.used_slots((flags != 0).tolist())
         divisor = c.seams.average_divisor(c.groups.data_parallel_size)
-        if divisor > 1:
+        if self.divide_factor is not None:  # FSDPModule.set_gradient_divide_factor
+            sharded_grad.div_(self.divide_factor)
+        elif divisor > 1:
             sharded_grad.div_(divisor)
         c.seams.averaged(sharded_grad, self, c)
         padding = self.layout.local_padding_intervals(c.groups.shard_rank)

@@ -61,14 +61,72 @@ class FSDPModule:
         instead of the implicit choice ([Note: Implicit prefetch] in impl/_unit.py; [] for none)."""
         self.fsdp_unit().backward_prefetch = [_unit_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
-    def unshard(self) -> None:
-        for handle in self.fsdp_unit().handles:
-            handle.unshard()
-            handle.use_views()
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters and point their names at the unsharded views; with
+        `async_op`, start the all-gathers and return a handle whose `wait()` finishes them (the
+        forward waits by itself if it comes first)."""
+        handles = self.fsdp_unit().handles
+        for handle in handles:
+            handle.unshard(async_op=async_op)
+        done = UnshardHandle(handles)
+        if not async_op:
+            done.wait()
+            return None
+        return done
 
     def reshard(self) -> None:
         for handle in self.fsdp_unit().handles:
             handle.reshard()
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether this unit (and, with `recurse`, every unit below it) frees its unsharded
+        parameters after forward, from the next forward on (the root included when True)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"set_reshard_after_forward({reshard_after_forward!r}): pass True or False")
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's reduced gradient sums by `factor` instead of the data-parallel size
+        (FSDP2's, for a loss already scaled by the caller)."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor({factor!r}): the factor must be > 0")
+        if any(h._aliased for h in self.fsdp_unit().handles):
+            raise ValueError("set_gradient_divide_factor: this unit has no data-parallel reduction (one rank, no "
+                             "group): its gradients are autograd's own; scale the loss instead")
+        for handle in self.fsdp_unit().handles:
+            handle.divide_factor = float(factor)
+
+    def _units(self, recurse: bool) -> list[FSDPUnit]:
+        modules = self.modules() if recurse else [self]
+        return [m.__dict__["_fsdp_unit"] for m in modules if "_fsdp_unit" in m.__dict__]
+
+
+class UnshardHandle:
+    """What `FSDPModule.unshard(async_op=True)` returns: `wait()` finishes the all-gathers it started
+    and points the parameters' names at the unsharded views."""
+
+    def __init__(self, handles: list[FlatParamHandle]) -> None:
+        self._handles = handles
+
+    def wait(self) -> None:
+        for handle in self._handles:
+            handle.unshard()
+            handle.use_views()
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run `module.<method_name>` (a `generate`, say) between the unit's forward hooks, as its
+    `forward` runs: parameters gathered before, resharded after (FSDP2's function of this name)."""
+    unit = _unit_of(module, "register_fsdp_forward_method")
+    method = getattr(type(module), method_name, None)
+    if method is None or not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+
+    def hooked(*args, **kwargs):
+        args, kwargs = unit.pre_forward(module, args, kwargs)
+        return unit.post_forward(module, args, kwargs, method(module, *args, **kwargs))
+    module.__dict__[method_name] = hooked
 
 
 @dataclass(frozen=True)

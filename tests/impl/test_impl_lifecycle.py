@@ -182,3 +182,59 @@ def test_output_dtype_casts_the_units_floating_outputs():
     out.float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 
+
+
+def test_fsdp2s_unit_methods_act():
+    """unshard(async_op=True) returns a handle whose wait() leaves the parameters unsharded under
+    their names; set_reshard_after_forward(True) makes the root reshard from the next forward;
+    set_gradient_divide_factor refuses a unit with no reduction to divide."""
+    from impl import UnshardHandle
+    from impl._handle import HandleState
+
+    torch.manual_seed(0)
+    model = nested(TransformerLM(TransformerConfig(n_layer=2)))
+    root = model.__dict__["_fsdp_unit"]
+    done = model.unshard(async_op=True)
+    assert isinstance(done, UnshardHandle)
+    done.wait()
+    assert {h.state for h in root.handles} == {HandleState.UNSHARDED}
+    assert model.head.weight.shape == (37, 18)  # the name is the unsharded view
+    model.reshard()
+    assert {h.state for h in root.handles} == {HandleState.SHARDED}
+    x, _ = lm_batch(0)
+    model(x)
+    assert {h.state for h in root.handles} == {HandleState.UNSHARDED}  # the default: the root stays gathered
+    model.set_reshard_after_forward(True)
+    model(x)
+    assert {h.state for h in root.handles} == {HandleState.SHARDED}
+    assert all(b.__dict__["_fsdp_unit"].reshard_after_forward is True for b in model.blocks)
+    with pytest.raises(ValueError, match="no data-parallel reduction"):
+        model.set_gradient_divide_factor(2.0)
+
+
+def test_a_registered_forward_method_runs_between_the_units_hooks():
+    """A `generate`-like method reads the parameters outside forward: registered, it sees them
+    unsharded (and the unit reshards after it); the plain model's result, bit for bit."""
+    from impl import register_fsdp_forward_method
+
+    class Scorer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.proj(x)
+
+        def score(self, x):
+            return (x @ self.proj.weight.t() + self.proj.bias).softmax(-1)
+
+    torch.manual_seed(0)
+    ref = Scorer()
+    ours = copy.deepcopy(ref)
+    fully_shard(ours, reshard_after_forward=True)
+    register_fsdp_forward_method(ours, "score")
+    x = torch.randn(5, 6)
+    assert torch.equal(ours.score(x), ref.score(x))
+    assert {h.state.name for h in ours.__dict__["_fsdp_unit"].handles} == {"SHARDED"}  # resharded after it
+    with pytest.raises(ValueError, match="has no method 'sample'"):
+        register_fsdp_forward_method(ours, "sample")

@@ -71,3 +71,13 @@ def test_full_state_and_grads_are_one_all_gather_each_and_bitwise(ranks):
         assert gathers["flat_params"] > 1, gathers
         assert (gathers["param_gathers"], gathers["grad_gathers"]) == (1, 1), gathers
         assert gathers["params_bitwise"] and gathers["grads_bitwise"], gathers
+
+
+@pytest.mark.slow
+def test_fsdp2_api_gathers_as_fsdp2_and_divides_by_the_factor_given(tmp_path):
+    """tests/rank_scripts/impl_fsdp2_api.py at W = 2: with reshard_after_forward=True (the root
+    too) and two micro-batches, impl issues as many all-gathers as torch FSDP2; with
+    set_gradient_divide_factor(1.0) the gradients are the sums, W times the means bitwise."""
+    for rank in run_rank_script("impl_fsdp2_api.py", 2, tmp_path):
+        assert rank["gathers"]["impl"] == rank["gathers"]["fsdp2"] > 0, rank
+        assert rank["sums_are_w_times_means"] and rank["some_gradient_nonzero"], rank
