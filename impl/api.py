@@ -18,6 +18,7 @@ from impl._unit import FSDPUnit
 FLAT_PARAM_NAMES = {True: "_flat_param", False: "_flat_param_frozen"}
 _OWNER_ATTR = "_impl_fsdp_owner"  # set on an original Parameter once a unit owns it
 _OWNED_BY_ATTR = "_impl_fsdp_params_owned_by"  # set on a module whose parameters a unit took
+_IGNORED_ATTR = "_impl_fsdp_ignored"  # set on a parameter passed in ignored_params
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,8 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     comm_stats: CommStats | None = None,
+    shard_placement_fn=None,
+    ignored_params: set[nn.Parameter] | None = None,
     _faults: frozenset[str] = frozenset(),
 ) -> nn.Module:
     """Shard `module`'s parameters (those not already owned by a wrapped sub-module).
@@ -198,6 +201,11 @@ def fully_shard(
     offload_policy: OffloadPolicy() keeps the shards where they are (the default); CPUOffloadPolicy()
         keeps them on the CPU, all-gathered onto its compute device for compute.
     comm_stats: counts the bytes of every collective this unit issues.
+    shard_placement_fn: FSDP2's per-parameter placement; impl shards one flat parameter per unit, so
+        it accepts a function answering None or Shard(0) for every parameter (what flat sharding
+        computes alike) and refuses any other placement.
+    ignored_params: parameters left as they are: not sharded, not gathered, their gradients not
+        reduced (the caller keeps them in step across ranks), skipped by enclosing units too.
     """
     if "_fsdp_unit" in module.__dict__:
         raise ValueError(f"fully_shard({type(module).__name__}): module is already wrapped")
@@ -212,6 +220,9 @@ def fully_shard(
             f"enclosing unit ({module.__dict__.get(_OWNED_BY_ATTR) or 'a parent'}). Apply "
             f"fully_shard to sub-modules first, then to their parent and the root."
         )
+    for param in ignored_params or ():
+        setattr(param, _IGNORED_ATTR, True)
+    _check_placements(module, shard_placement_fn)
     seams = seams_for(frozenset(_faults))
     mp_policy = mp_policy or MixedPrecisionPolicy()
     if mesh is not None:
@@ -275,6 +286,8 @@ def _collect_params(
     owners: list[list[tuple[nn.Module, str, str]]] = []
     index_of: dict[int, int] = {}
     for fqn, sub, name, param in _owned_params(module):
+        if getattr(param, _IGNORED_ATTR, False):
+            continue  # ignored_params: left as it is
         if hasattr(param, _OWNER_ATTR):
             raise ValueError(
                 f"fully_shard({type(module).__name__}): parameter '{fqn}' is already sharded by "
@@ -302,6 +315,22 @@ def _collect_params(
             f"or cast the module to one dtype first."
         )
     return owners, params
+
+
+def _check_placements(module: nn.Module, shard_placement_fn) -> None:
+    """shard_placement_fn: None, or an answer of None or Shard(0) for every parameter (impl's flat
+    sharding); any other placement is refused, naming the parameter."""
+    if shard_placement_fn is None:
+        return
+    for fqn, _, _, param in _owned_params(module):
+        placement = shard_placement_fn(param)
+        if placement is None:
+            continue
+        dim = getattr(placement, "dim", None)
+        if type(placement).__name__ != "Shard" or dim not in (0, -param.dim() if param.dim() else 0):
+            raise NotImplementedError(
+                f"fully_shard({type(module).__name__}): shard_placement_fn gave {placement!r} for '{fqn}': impl "
+                f"shards one flat parameter per unit, which computes as Shard(0); return None or Shard(0)")
 
 
 def _unwrapped_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -238,3 +238,35 @@ def test_a_registered_forward_method_runs_between_the_units_hooks():
     assert {h.state.name for h in ours.__dict__["_fsdp_unit"].handles} == {"SHARDED"}  # resharded after it
     with pytest.raises(ValueError, match="has no method 'sample'"):
         register_fsdp_forward_method(ours, "sample")
+
+
+def test_ignored_params_stay_as_they_are_and_train_as_the_plain_model():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    ours = copy.deepcopy(ref)
+    ignored = {ours[2].bias}
+    fully_shard(ours[0], ignored_params=ignored)
+    fully_shard(ours, ignored_params=ignored)
+    assert ours[2].bias is next(iter(ignored)) and ours[2].bias.shape == (2,)  # not a flat piece of a unit
+    managed = {id(p) for _, u in impl.units(ours) for h in u.handles for p in h.pieces}
+    assert id(ours[2].bias) not in managed and id(ours[2].weight) in managed
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours)]
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for model, opt in zip((ref, ours), opts):
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    full = impl.full_state_dict(ours)
+    assert full.keys() == ref.state_dict().keys()
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(full[name], tensor), name
+
+
+def test_shard_placement_fn_accepts_dim_0_and_refuses_other_placements():
+    from torch.distributed.tensor import Shard
+
+    fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(0))
+    fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: None)
+    with pytest.raises(NotImplementedError, match=r"gave Shard\(dim=1\) for 'weight'"):
+        fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1))
