@@ -311,6 +311,8 @@ def fuzz_rate(cfg: BenchConfig, work: Path) -> dict:
 def environment(cfg: BenchConfig) -> dict:
     import torch
 
+    from harness.report.environment import environment as report_environment
+
     return {
         "torch": torch.__version__,
         "backend": "gloo",
@@ -322,6 +324,7 @@ def environment(cfg: BenchConfig) -> dict:
         # A shared machine's other load skews wall times (ratios taken side by side much less): say it.
         "load_average_at_start": round(os.getloadavg()[0], 2),
         "smoke": cfg.smoke,
+        **{k: v for k, v in report_environment("gloo", "cpu", cfg.threads).items() if k in ("git_commit", "git_dirty")},
     }
 
 

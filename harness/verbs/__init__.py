@@ -7,6 +7,6 @@ here."""
 
 from __future__ import annotations
 
-from harness.verbs import baseline, bench, bisect, fuzz, gate, listing, mutants, run
+from harness.verbs import baseline, bench, bisect, figures, fuzz, gate, listing, mutants, run
 
-VERBS = {module.NAME: module for module in (run, gate, baseline, bisect, listing, bench, fuzz, mutants)}
+VERBS = {module.NAME: module for module in (run, gate, baseline, bisect, listing, bench, fuzz, mutants, figures)}
