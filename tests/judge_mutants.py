@@ -27,7 +27,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from scratch_repo import copy_project
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's tests package
+from tests.support.scratch_repo import copy_project  # noqa: E402
 
 # Fast-tier files that judge evidence (the whole fast tier with --fast-tier).
 JUDGE_FAST = ("tests/harness/reference/test_tolerance_bounds.py", "tests/harness/judge/test_judge_checks.py", "tests/harness/judge/test_judge_nonfinite.py",

@@ -2,7 +2,7 @@
 plugin points to them): `model_specs(world_size)` draws whole models (harness/fuzz/spec.py),
 `target_numels` flat sizes on the edges where sharding breaks. Each block's auxiliary parameter is
 sized so that its unit's flat numel lands below W, at W*k - 1, W*k, W*k + 1 or on a prime (see
-tests/strategies.py for the pure layout-level counterparts)."""
+tests/support/strategies.py for the pure layout-level counterparts)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import torch
 from cases.case import resolve_wrap
 from cases.data import call_model, local_batch
 from impl._flat_param import FlatLayout, align_numel_for
-from judged import assert_judged
+from tests.support.judged import assert_judged
 
 pytest.importorskip("transformers", reason="the models extra: pip install -e '.[models]'")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from torchrun_script import run_rank_script
+from tests.support.torchrun_script import run_rank_script
 
 SCENARIOS = ("plain", "blocks_checkpointed", "embedding_recomputed", "head_recomputed", "one_rank_holds")
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 import pytest
-from torchrun_script import run_rank_script
+from tests.support.torchrun_script import run_rank_script
 
 pytestmark = pytest.mark.slow
 

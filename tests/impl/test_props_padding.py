@@ -17,7 +17,7 @@ from hypothesis import example, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-import strategies
+import tests.support.strategies as strategies
 from impl._flat_param import FlatLayout, flatten_padded, shard_numel_for, shard_of, unflatten_views
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -11,7 +11,7 @@ from xml.etree import ElementTree as ET
 import pytest
 import torch
 
-from scratch_repo import REPO, copy_project, harness, scale_first_layer_init
+from tests.support.scratch_repo import REPO, copy_project, harness, scale_first_layer_init
 
 sys.path.insert(0, str(REPO))
 from harness.ci.baseline import BaselineResult, _check_digests, digest  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scratch_repo import (REPO, append, commit_all, copy_project, drop_grad_average, git, harness, init_repo,
+from tests.support.scratch_repo import (REPO, append, commit_all, copy_project, drop_grad_average, git, harness, init_repo,
                           repo_state)
 
 sys.path.insert(0, str(REPO))

@@ -10,8 +10,8 @@ from xml.etree import ElementTree as ET
 
 import pytest
 
-from judged import assert_judged
-from scratch_repo import REPO, harness
+from tests.support.judged import assert_judged
+from tests.support.scratch_repo import REPO, harness
 
 sys.path.insert(0, str(REPO))
 from harness.cli import build_parser  # noqa: E402

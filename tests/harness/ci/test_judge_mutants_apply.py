@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 import judge_mutants
-from scratch_repo import REPO
+from tests.support.scratch_repo import REPO
 
 
 @pytest.mark.parametrize("mutant", judge_mutants.MUTANTS, ids=lambda m: m.name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
-import strategies
+import tests.support.strategies as strategies
 
 
 def _drawn_layouts(profile: str, max_examples: int) -> list:

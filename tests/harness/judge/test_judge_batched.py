@@ -1,5 +1,5 @@
 """The batched judge ([Note: Batched checks], harness/judge/segments.py) returns what the judge
-returned one tensor at a time (tests/judge_reference.py): the same violations in the same order
+returned one tensor at a time (tests/support/judge_reference.py): the same violations in the same order
 (element, ratio, num_violating), margins, check summaries, per-step worst elements, losses and
 trajectory statistics, or the same exception (fast tier, one process), with its segmented reductions
 batched and per tensor.
@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-import judge_reference
+import tests.support.judge_reference as judge_reference
 from cases.catalog import get_case
 from harness.adapters import RankContext
 from harness.judge.diff import check_snapshot

@@ -24,7 +24,7 @@ from harness.run.orchestrate import write_init_states
 from harness.run.plan import build_plan
 from harness.run.snapshot import load_init
 from harness.run.worker import run_cell
-from judged import judge_violations
+from tests.support.judged import judge_violations
 
 STEPS = 3
 

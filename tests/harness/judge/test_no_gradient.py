@@ -27,7 +27,7 @@ from harness.run.plan import build_plan
 from harness.run.rank import NO_GRADIENT_DIGEST, pick_grads, replica_digests
 from harness.run.snapshot import load_init
 from harness.run.worker import run_cell
-from judged import assert_judged, judge_violations
+from tests.support.judged import assert_judged, judge_violations
 
 CASE = "tests/data/tagger_head.py:make_case"
 UNUSED = ("tagger.weight", "tagger.bias")

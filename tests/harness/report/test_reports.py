@@ -30,7 +30,7 @@ from harness.run.plan import Cell, build_plan
 from harness.report.build import build_report, report_files, step_rows
 from harness.report.view import margin_class, margin_text
 from harness.judge.verdict import CellResult
-from scratch_repo import REPO, harness
+from tests.support.scratch_repo import REPO, harness
 
 STEPS = 3
 

@@ -17,7 +17,7 @@ from filelock import FileLock
 
 from cases.catalog import _FEATURE_CASES, get_case
 from harness.run.orchestrate import EXIT_GRACE_S
-from judged import assert_judged
+from tests.support.judged import assert_judged
 
 REPO = Path(__file__).resolve().parents[3]
 PLUGINS = "tests/harness/adapters/test_harness_plugins.py"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from scratch_repo import REPO, copy_project, git, harness, init_repo
+from tests.support.scratch_repo import REPO, copy_project, git, harness, init_repo
 
 PLUGINS = "tests/harness/adapters/test_harness_plugins.py"
 TAG_VAR = "HARNESS_TEST_TAG"  # set by the test, inherited by every process the harness starts

@@ -1,4 +1,4 @@
-"""tests/torchrun_script.py: a hung rank script fails its test with every rank's stacks and leaves
+"""tests/support/torchrun_script.py: a hung rank script fails its test with every rank's stacks and leaves
 nothing running (slow tier)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import textwrap
 
 import pytest
-from torchrun_script import run_rank_script
+from tests.support.torchrun_script import run_rank_script
 
 pytestmark = pytest.mark.slow
 

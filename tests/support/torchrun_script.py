@@ -12,8 +12,8 @@ from pathlib import Path
 
 from harness.run.launch import Launch, TorchrunSpec
 
-ROOT = Path(__file__).resolve().parent.parent
-RANK_SCRIPTS = Path(__file__).resolve().parent / "rank_scripts"
+ROOT = Path(__file__).resolve().parents[2]
+RANK_SCRIPTS = Path(__file__).resolve().parents[1] / "rank_scripts"
 
 
 def run_rank_script(name: str | Path, world_size: int, out_dir: Path, *args: str, timeout_s: float = 300) -> list[dict]:
