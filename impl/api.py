@@ -295,6 +295,13 @@ def _collect_params(
                 f"wrapped units is not supported; wrap a common ancestor of both uses instead "
                 f"(e.g. keep tied embedding and output head in the same unit)."
             )
+        if not param.is_contiguous():
+            raise NotImplementedError(
+                f"fully_shard({type(module).__name__}): parameter '{fqn}' is not contiguous (shape "
+                f"{tuple(param.shape)}, strides {param.stride()}; channels_last, a transposed view): its "
+                f"unsharded view would be contiguous, so its memory format would change silently. Fix: make it "
+                f"contiguous first (FSDP2 refuses it too)."
+            )
         if not param.is_floating_point():
             raise ValueError(
                 f"fully_shard({type(module).__name__}): parameter '{fqn}' has dtype {param.dtype}; "

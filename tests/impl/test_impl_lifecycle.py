@@ -270,3 +270,29 @@ def test_shard_placement_fn_accepts_dim_0_and_refuses_other_placements():
     fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: None)
     with pytest.raises(NotImplementedError, match=r"gave Shard\(dim=1\) for 'weight'"):
         fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1))
+
+
+def test_a_non_contiguous_parameter_is_refused_and_a_0d_one_is_sharded():
+    """channels_last would come back contiguous from the flat buffer: refused, as FSDP2 does. A 0-d
+    parameter is one element of the flat parameter: impl shards it (FSDP2 refuses it), bitwise."""
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(NotImplementedError, match="parameter 'weight' is not contiguous"):
+        fully_shard(conv)
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.scale = nn.Linear(3, 3), nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    ref = Scaled()
+    ours = fully_shard(copy.deepcopy(ref))
+    x = torch.randn(2, 3)
+    ref(x).sum().backward()
+    ours(x).sum().backward()
+    grads = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert torch.equal(grads[name].grad.reshape(-1), p.grad.reshape(-1)), name
