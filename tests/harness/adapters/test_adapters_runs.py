@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-ADAPTERS = REPO / "tests" / "test_adapters.py"
+ADAPTERS = REPO / "tests" / "harness" / "adapters" / "test_adapters.py"
 STEPS = 2
 
 
