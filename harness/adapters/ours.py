@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cases.features import DTYPES, PLAIN, Features
-from harness.adapters.base import Adapter, RankContext, RawShard, norm_value, set_prefetch
+from harness.adapters.base import Adapter, RawShard, norm_value, set_prefetch
 from harness.adapters.features import all_reduce_mean_copy, make_mesh
 
 
@@ -154,18 +154,6 @@ class Ours(Adapter):
             RawShard(key=_flat_key(s), data=s.data, grad=s.grad, padding_intervals=s.padding_intervals)
             for s in local_shards(model)
         ]
-
-    def shared_tensors(self, model, wrap_paths, features):
-        """One flat parameter per unit (two where it mixes frozen and trainable parameters): wrapped
-        here at W = 1 (no process group, no collective), read back from the layouts."""
-        if features.zero1:
-            return []  # fully_shard is not applied: plain parameters
-        wrapped = self.wrap(model, wrap_paths, RankContext(0, 1, None, features=replace(features, mesh="shard")))
-        held: dict[tuple[str, str], list[str]] = {}
-        for name, layout in self.layouts(wrapped).items():
-            held.setdefault((layout["unit"], layout["flat_key"]), []).append(name)
-        shared = [(unit, tuple(names)) for (unit, _), names in held.items() if len(names) > 1]
-        return sorted(shared, key=lambda s: s[0] == "<root>")  # the wrapped units first, the root last
 
 
 def _flat_key(shard) -> str:

@@ -1,7 +1,7 @@
-"""The README's model with the usual "no weight decay on biases and norms" parameter groups.
-Every unit holds a weight and its bias, so under `ours` (one flat parameter, one weight decay per
-unit) the plan refuses it before any rank starts, naming the unit and its parameters in each
-group; `fsdp2` keeps per-parameter tensors and runs it."""
+"""The README's model with the usual "no weight decay on biases and norms" parameter groups: every
+unit holds a weight and its bias in different groups. `fsdp2` keeps per-parameter tensors, and
+`ours` gives the optimizer each parameter's own piece of the flat shard (impl/_handle.py [Note:
+Per-parameter shards]): both run it."""
 
 import torch
 import torch.nn as nn
