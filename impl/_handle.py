@@ -191,6 +191,10 @@ class FlatParamHandle:
         self.reducer = GradReducer()  # the root's, shared by every unit under it, after its first forward
         self.sync_grads = True  # False: keep accumulating the unsharded gradient (no_sync)
         self.divide_factor: float | None = None  # the reduced sum's divisor, if not the data-parallel size
+        # HSDP: False keeps each reduce-scattered sum here, unaveraged, until a reduction with True
+        # all-reduces them all at once (FSDPModule.set_requires_all_reduce).
+        self.requires_all_reduce = True
+        self.partial_reduced: torch.Tensor | None = None
         # Gradient-tracking views were handed out, or gradients came, since the last reduction: the
         # unit reduces at its next rank-consistent point ([Note: Rank-consistent reductions]).
         self.reduce_due = False
@@ -526,6 +530,12 @@ class FlatParamHandle:
         the slots some rank had a gradient for; the others keep theirs (None: no gradient)."""
         c = self.comm
         if c.groups.replicate_group is not None:
+            if self.partial_reduced is not None:  # reduce-scattered earlier, not all-reduced yet
+                reduced.add_(self.partial_reduced)
+                self.partial_reduced = None
+            if not self.requires_all_reduce:  # FSDPModule.set_requires_all_reduce(False): accumulate it here
+                self.partial_reduced = reduced
+                return
             all_reduce_sum(reduced, c.groups.replicate_group, c.stats)
         sharded_grad, flags = reduced[:self.layout.shard_numel], reduced[self.layout.shard_numel:]
         used = c.seams.used_slots((flags != 0).tolist())

@@ -87,6 +87,14 @@ class FSDPModule:
         for unit in self._units(recurse):
             unit.reshard_after_forward = reshard_after_forward
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters each backward's gradients within the shard group and keeps the
+        sums, True (the default) all-reduces them over the replicas, with any kept before, and
+        averages: accumulation with one all-reduce per optimizer step. No-op without replicas."""
+        for unit in self._units(recurse):
+            for handle in unit.handles:
+                handle.requires_all_reduce = bool(requires_all_reduce)
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's reduced gradient sums by `factor` instead of the data-parallel size
         (FSDP2's, for a loss already scaled by the caller)."""

@@ -81,3 +81,14 @@ def test_fsdp2_api_gathers_as_fsdp2_and_divides_by_the_factor_given(tmp_path):
     for rank in run_rank_script("impl_fsdp2_api.py", 2, tmp_path):
         assert rank["gathers"]["impl"] == rank["gathers"]["fsdp2"] > 0, rank
         assert rank["sums_are_w_times_means"] and rank["some_gradient_nonzero"], rank
+
+
+@pytest.mark.slow
+def test_hsdp_accumulation_all_reduces_once_with_set_requires_all_reduce(tmp_path):
+    """tests/rank_scripts/impl_hsdp_accumulation.py at W = 4 ((2, 2) mesh): with the all-reduce off
+    for the first of two micro-batches the replicas all-reduce half as often, and the gradients
+    equal the all-reduce-every-time ones to float32 rounding (the same terms, summed in another order)."""
+    for rank in run_rank_script("impl_hsdp_accumulation.py", 4, tmp_path):
+        counts = rank["all_reduces"]
+        assert counts["last_only"] > 0 and counts["every_micro_batch"] == 2 * counts["last_only"], rank
+        assert rank["close"] and rank["nonzero"], rank
