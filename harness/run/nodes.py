@@ -15,9 +15,9 @@ on one host, the same path). Through it, and through torchrun's own c10d rendezv
   arithmetic does not know which host it runs on).
 - Every rank writes `nodes/<label>/rank-<R>` with its node, so node 0 names the ranks of a node it
   lost. Every harness process touches `nodes/node-<k>.alive` while it runs; one not touched for
-  NODE_LOST_S is a lost node: node 0 ends its launch at once (its ranks would wait on the lost
-  ones until --timeout) and charges the running cells with an error naming the node and its
-  ranks; a node that loses node 0 ends its own launch and exits 1.
+  NODE_LOST_S (or never, STARTUP_SKEW_S into a launch) is a lost node: node 0 ends its launch at
+  once (its ranks would wait on the lost ones until --timeout) and charges the running cells with
+  an error naming the node and its ranks; a node that loses node 0 ends its own launch and exits 1.
 - Node 0 ends by writing `nodes/verdict.json` (the exit code it returns, whatever ended it: a
   verdict, a refused flag, a lost node); the others exit with that code. A node started before
   node 0 waits for a `leader.json` of a run that has no verdict yet and began at most
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 NODES_DIR = "nodes"
-NODE_LOST_S = 10.0  # a node's heartbeat older than this: the node is gone (it beats every HEARTBEAT_S)
+NODE_LOST_S = 30.0  # a node's heartbeat older than this: the node is gone (it beats every HEARTBEAT_S)
 HEARTBEAT_S = 1.0
 STARTUP_SKEW_S = 120.0  # how much earlier than a following node node 0 may have started
 NODE_RANK_VAR = "HARNESS_NODE_RANK"
@@ -97,11 +97,12 @@ def silent_for(out_dir: Path, node_rank: int) -> float | None:
 
 def lost_nodes(out_dir: Path, count: int, since: float) -> list[int]:
     """The nodes other than 0 silent for NODE_LOST_S, of those that beat at least once, or that never
-    beat though the launch began more than NODE_LOST_S ago (`since`, time.monotonic())."""
+    beat though the launch began more than STARTUP_SKEW_S ago (`since`, time.monotonic()): a node may
+    start that much after node 0."""
     lost = []
     for node in range(1, count):
         silent = silent_for(out_dir, node)
-        if (silent is not None and silent > NODE_LOST_S) or (silent is None and time.monotonic() - since > NODE_LOST_S):
+        if (silent is not None and silent > NODE_LOST_S) or (silent is None and time.monotonic() - since > STARTUP_SKEW_S):
             lost.append(node)
     return lost
 

@@ -133,3 +133,17 @@ def test_a_node_lost_mid_run_ends_the_other_naming_its_ranks(tmp_path):
     leader.communicate(timeout=30)
     time.sleep(2)  # node 0's ranks end on their own (their harness is gone: [Note: No survivors])
     assert not _left_running(str(tmp_path / "lost0"))
+
+
+def test_a_node_is_lost_when_silent_and_not_while_it_may_still_start(tmp_path):
+    """lost_nodes: a heartbeat older than NODE_LOST_S is a lost node; a node that never beat is
+    lost only STARTUP_SKEW_S into the launch (it may start that much after node 0)."""
+    from harness.run.nodes import NODE_LOST_S, STARTUP_SKEW_S, lost_nodes, nodes_dir
+
+    nodes_dir(tmp_path).mkdir()
+    (nodes_dir(tmp_path) / "node-1.alive").write_text(f"{time.time() - NODE_LOST_S - 5}\n")
+    (nodes_dir(tmp_path) / "node-2.alive").write_text(f"{time.time()}\n")
+    just_started = time.monotonic()
+    assert lost_nodes(tmp_path, 4, just_started) == [1]  # node 3 never beat, but may still start
+    assert lost_nodes(tmp_path, 4, just_started - NODE_LOST_S - 5) == [1]  # a late node is not a silent one
+    assert lost_nodes(tmp_path, 4, just_started - STARTUP_SKEW_S - 1) == [1, 3]
