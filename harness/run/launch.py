@@ -27,7 +27,7 @@ from typing import Callable
 
 from harness.run import lifeline
 from harness.run.nodes import (HEARTBEAT_S, LAUNCH_LABEL_VAR, NODE_LOST_S, NODE_RANK_VAR, NODES_DIR_VAR, announce_launch,
-                               lost_nodes, lost_text, nodes_dir)
+                               lost_nodes, lost_text, nodes_dir, rank_places)
 from harness.run.outcome import LaunchResult, RankLog, failure_blocks
 from harness.run.plan import Cell, RunPlan, num_parameters, write_launch_plan
 
@@ -400,13 +400,7 @@ def _read_node_rank_logs(log_dir: Path, nodes: NodeLaunch, world_size: int) -> t
     """Every launch rank's logs across the nodes (node 0's under `log_dir`, node k's under
     `log_dir`/node<k>), found by the node and local rank each rank recorded; empty for a rank that
     recorded none (it never started)."""
-    where: dict[int, tuple[int, str]] = {}
-    for path in (nodes.nodes_dir / nodes.label).glob("rank-*"):
-        try:
-            node, local = path.read_text().split()[:2]
-            where[int(path.name.removeprefix("rank-"))] = (int(node), local)
-        except (OSError, ValueError):
-            continue
+    where = rank_places(nodes.nodes_dir, nodes.label)
     logs = []
     for rank in range(world_size):
         texts = {"stdout": "", "stderr": ""}

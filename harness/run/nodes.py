@@ -119,16 +119,25 @@ def announce_verdict(out_dir: Path, run_id: str, exit_code: int, line: str) -> N
     _write_json(nodes_dir(out_dir) / "verdict.json", {"run_id": run_id, "exit": exit_code, "line": line})
 
 
-def launch_ranks_by_node(out_dir: Path, label: str) -> dict[int, list[int]]:
-    """{node: its launch ranks} of the launch `label`, from the files its ranks wrote at start."""
-    found: dict[int, list[int]] = {}
-    for path in sorted((nodes_dir(out_dir) / label).glob("rank-*")):
+def rank_places(directory: Path, label: str) -> dict[int, tuple[int, int]]:
+    """{launch rank: (node, local rank)} of the launch `label`, from the files its ranks wrote at
+    start (`record_rank`) under `directory` (an out dir's nodes/); a rank that wrote none is absent."""
+    found: dict[int, tuple[int, int]] = {}
+    for path in (Path(directory) / label).glob("rank-*"):
         try:
-            rank, node = int(path.name.removeprefix("rank-")), int(path.read_text().split()[0])
-        except (OSError, ValueError, IndexError):
+            node, local = path.read_text().split()[:2]
+            found[int(path.name.removeprefix("rank-"))] = (int(node), int(local))
+        except (OSError, ValueError):
             continue
+    return found
+
+
+def launch_ranks_by_node(out_dir: Path, label: str) -> dict[int, list[int]]:
+    """{node: its launch ranks} of the launch `label`."""
+    found: dict[int, list[int]] = {}
+    for rank, (node, _) in sorted(rank_places(nodes_dir(out_dir), label).items()):
         found.setdefault(node, []).append(rank)
-    return {node: sorted(ranks) for node, ranks in sorted(found.items())}
+    return dict(sorted(found.items()))
 
 
 def record_rank() -> None:
