@@ -37,7 +37,7 @@ from harness.judge.checks.base import CheckStats, coords
 from harness.judge.contracts import contract_violations, model_size
 from harness.judge.result import (ALL_PARAMETERS, CLIP_NORM, GRAD_STATISTICS, RUN_UPDATE_STATISTICS,
                                   UPDATE_STATISTICS, Judgement, Violation, first_of, nan_max)
-from harness.judge.segments import (Failing, Segments, SignCounts, TensorOutcome, judge_segments, kept_for_signs,
+from harness.judge.segments import (Failing, Segments, SignCounts, TensorOutcome, all_finite, judge_segments, kept_for_signs,
                                     merge_outcomes, sign_counts, sign_counts_of_kept)
 from harness.reference.tolerance import (CHUNK_ELEMENTS, CLIP_COEFFICIENT_ULPS, MAX_MEDIAN_RELATIVE_TOLERANCE,
                                      TRAJECTORY_FACTOR, clip_coefficient, clip_norm_bound,
@@ -651,7 +651,7 @@ class CellJudge:
     def all_finite(tensors: dict[str, torch.Tensor]) -> bool:
         """Whether every element of `tensors` is finite, a tensor at a time in its own dtype (a
         float64 copy of it is finite exactly where it is: no copy is made)."""
-        return all(bool(torch.isfinite(t).all()) for t in tensors.values())
+        return all(all_finite(t) for t in tensors.values())
 
     def param_pieces(self, tensors: dict[str, torch.Tensor]) -> list[list[str]]:
         """`pieces`, a parameter bigger than PIECE_ELEMENTS cut into slices, each a piece of its own
@@ -834,7 +834,7 @@ class CellJudge:
             stats["nonfinite"].add(rows.numel())
             intervals = rec["padding_intervals"][key.removesuffix(" (grad)")]
             judged_rows = rows if padding_judged else _without_padding_rows(rows, intervals)
-            if bool(torch.isfinite(judged_rows).all()):
+            if all_finite(judged_rows):
                 continue
             for r in range(rows.shape[0]):
                 # Padding of an UNSPECIFIED convention may hold anything (uninitialised memory):

@@ -125,12 +125,29 @@ def _first_argmax(x: torch.Tensor) -> int:
 
 
 def ratios(diff: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
-    """|diff| / tol per element; inf where the element fails with tol == 0 or diff is NaN."""
+    """|diff| / tol per element; inf where the element fails with tol == 0 or diff is NaN. Filled
+    in place on the quotient (no model-sized temporaries for the two cases)."""
     tol = tol.double().expand_as(diff)
     ratio = diff / tol.clamp(min=1e-300)
-    failed = ~(diff <= tol)
-    ratio = torch.where(failed & ((tol == 0) | diff.isnan()), torch.full_like(diff, float("inf")), ratio)
-    return torch.where(diff == 0, torch.zeros_like(diff), ratio)
+    ratio.masked_fill_((~(diff <= tol) & (tol == 0)) | diff.isnan(), math.inf)
+    return ratio.masked_fill_(diff == 0, 0.0)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of `t` is finite: one pass of `aminmax`, which propagates a NaN and
+    shows an infinity at one end, where `isfinite(t).all()` makes several passes and a mask."""
+    if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
+        return True
+    if t.is_complex():
+        return bool(torch.isfinite(t).all())
+    low, high = torch.aminmax(t)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
+def nonzero_finite(x: torch.Tensor) -> torch.Tensor:
+    """(x != 0) & isfinite(x), from one |x|: 0 < |x| < inf fails for 0, -0.0, NaN and the infinities."""
+    a = x.abs()
+    return (a > 0) & (a < math.inf)
 
 
 @dataclass(frozen=True)
@@ -187,7 +204,7 @@ def judge_segments(seg: Segments, actual: torch.Tensor, expected: torch.Tensor, 
                    ) -> list[TensorOutcome]:
     """Per segment: |actual - expected| within tol, NaN-aware (an element fails unless
     |diff| <= tol holds). All three arguments flat float64 of seg.total elements."""
-    diff = (actual - expected).abs()
+    diff = (actual - expected).abs_()
     ratio = ratios(diff, tol)
     bad = ~(diff <= tol)
     at = seg.argmax(ratio).clamp(max=max(seg.total - 1, 0))
@@ -237,7 +254,7 @@ def sign_counts(seg: Segments, diff: torch.Tensor, expected: torch.Tensor,
     if seg.per_tensor:
         return [_sign_counts_of_one(diff[a:b], expected[a:b], None if inputs is None else inputs[a:b])
                 for a, b in seg.ranges()]
-    keep = (diff != 0) & diff.isfinite()
+    keep = nonzero_finite(diff)
     ids, diff, expected = seg.ids[keep], diff[keep], expected[keep]
     order = torch.arange(ids.numel())
     keys = [expected] if inputs is None else [inputs[keep], expected]
@@ -264,7 +281,7 @@ def kept_for_signs(diff: torch.Tensor, expected: torch.Tensor, inputs: torch.Ten
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The elements of one slice of a tensor the sign test reads (a finite, non-zero difference),
     in order: `sign_counts_of_kept` over every slice's, in order, is `sign_counts` of the tensor."""
-    keep = (diff != 0) & diff.isfinite()
+    keep = nonzero_finite(diff)
     return diff[keep], expected[keep], None if inputs is None else inputs[keep]
 
 
@@ -279,7 +296,7 @@ def sign_counts_of_kept(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tens
 def _sign_counts_of_one(diff: torch.Tensor, expected: torch.Tensor, inputs: torch.Tensor | None) -> SignCounts:
     """`sign_counts` of one tensor: the same elements kept, the same stable order (by value, then
     input, then position), the same first element of each run of equal values."""
-    keep = (diff != 0) & diff.isfinite()
+    keep = nonzero_finite(diff)
     diff, expected = diff[keep], expected[keep]
     order = torch.arange(diff.numel())
     keys = [expected] if inputs is None else [inputs[keep], expected]

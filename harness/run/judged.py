@@ -47,6 +47,7 @@ from harness.judge.diff import (CellJudge, ReferenceComparison, ReferenceDiverge
                                 result_to_record, trajectory_envelope, trajectory_row_parts)
 from harness.judge.contracts import broken_at
 from harness.judge.layouts import LayoutError, check_step_layouts, parameter_names
+from harness.judge.segments import all_finite
 from harness.run.evidence import EvidenceError, check_init_evidence, check_step_evidence
 from harness.run.plan import Cell
 from harness.run.snapshot import JUDGED_FORMAT
@@ -188,7 +189,7 @@ class RankJudge:
             self.steps.append(step)
             for part in trajectory_row_parts(rec, order, split):  # the row's bytes, a tensor at a time
                 self._digest.update(part.cpu().numpy().tobytes())
-                self.finite = self.finite and bool(torch.isfinite(part).all())
+                self.finite = self.finite and all_finite(part)
             if ref is not None:  # NaN propagates, as in the parent's matrices
                 self.vs_reference = torch.maximum(self.vs_reference, ref.row_max.to(self.vs_reference.device))
             # Once the cell went non-finite the judge stops (the first divergence is named); the

@@ -50,8 +50,9 @@ class CheckStats:
         before it; the same elements as one segment of the whole tensor gives. Returns `seen` after."""
         at = (value != 0).nonzero().reshape(-1)
         n = at.numel()
-        if nonzero > 4096:
-            at = at[torch.arange(seen, seen + n) % (nonzero // 4096 + 1) == 0]
+        if nonzero > 4096:  # the tensor's nonzero values seen + k with (seen + k) % every == 0
+            every = nonzero // 4096 + 1
+            at = at[(-seen) % every::every]
         if at.numel():
             self.rel_tol_samples.append(tol[at] / value[at].abs())
         return seen + n
