@@ -127,6 +127,9 @@ _FEATURE_CASES = (
     _lm_case("tied_embeddings", "output head tied to the token embedding in one unit (the root); tying "
              "across two units is refused with a clear error, which the cell asserts",
              Features(refused_wrap=("tok_emb", "head")), config=_TIED_CONFIG),
+    _lm_case("tied_embeddings_grouped", "the tied token embedding and output head as one unit of two modules "
+             "(fully_shard([tok_emb, head]), FSDP2's idiom), beside the blocks and the root",
+             Features(wrap_groups=(("tok_emb", "head"),)), config=_TIED_CONFIG),
     Case(name="frozen_params", description="requires_grad=False weights mixed with trainable biases in one unit",
          build_model=_frozen_mlp, wrap=("layers.0", "layers.1", "layers.2"),
          make_batch=regression_batch(_MLP_SIZES[0], _MLP_SIZES[-1]), loss_fn=F.mse_loss,

@@ -35,6 +35,9 @@ class Features:
     zero1: bool = False  # optimizer-state-only sharding: no fully_shard, ZeroRedundancyOptimizer
     checkpoint_reshard_at: tuple[int, ...] = ()  # after these steps: save sharded, reload resharded
     refused_wrap: tuple[str, ...] = ()  # wrapping these separately must raise a clear error
+    # Modules wrapped together as one unit (fully_shard of a list, FSDP2's group), after the wrap
+    # list and before the root: a tied embedding and its output head, say.
+    wrap_groups: tuple[tuple[str, ...], ...] = ()
     cpu_offload: bool = False  # sharded parameters, gradients, optimizer state on the CPU; compute on the rank's device
     requires_device: str | None = None  # e.g. "cuda": cells are skipped, with this reason, elsewhere
 
@@ -59,6 +62,10 @@ class Features:
             raise ValueError(
                 f"Features clip_norm_type={self.clip_norm_type} needs clip_max_norm > 0 (got {self.clip_max_norm})"
             )
+        if any(len(group) < 2 for group in self.wrap_groups):
+            raise ValueError(f"Features wrap_groups={self.wrap_groups!r}: a group wraps two modules or more")
+        if self.wrap_groups and (self.auto_wrap or self.zero1):
+            raise ValueError("Features wrap_groups names modules to wrap: it combines with neither auto_wrap nor zero1")
         if self.zero1 and (self.mesh != "shard" or self.param_dtype or self.auto_wrap or self.meta_init):
             raise ValueError("Features zero1 replaces fully_shard: it combines with no mesh, mixed precision, "
                              "auto_wrap or meta_init")

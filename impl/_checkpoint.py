@@ -26,15 +26,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from impl._flat_param import FlatLayout
+from impl._unit import units_with_prefixes
 
 
 def _flat_params(model: nn.Module):
     """(name, handle) of every flat parameter, in model.parameters() order."""
     out = []
-    for fqn, module in model.named_modules():
-        unit = module.__dict__.get("_fsdp_unit")
-        for handle in unit.handles if unit else ():
-            out.append((f"{fqn}.{handle.param_name}" if fqn else handle.param_name, handle))
+    for unit, prefixes in units_with_prefixes(model):
+        prefix = next((p for p in prefixes if p is not None), "")  # a group's first member's
+        for handle in unit.handles:
+            out.append((prefix + handle.param_name, handle))
     return out
 
 

@@ -165,8 +165,12 @@ class FlatParamHandle:
         comm: CommConfig,
         requires_grad: bool,
         sharded: torch.Tensor,
+        slot_members: list[tuple[int, ...]] | None = None,
     ) -> None:
         self.module = module
+        # Per slot, the unit member each of its names is relative to ([Note: Module groups] in
+        # impl/_unit.py): all 0 for a unit of one module.
+        self.slot_members = slot_members or [(0,) * len(s.fqns) for s in layout.slots]
         self.param_name = param_name  # the flat parameter's name (raw shards, checkpoints); not registered
         self.layout = layout
         self.slot_owners = slot_owners
@@ -190,6 +194,9 @@ class FlatParamHandle:
         self._pending: tuple | None = None  # (work, input) of an all-gather in flight
         self.reducer = GradReducer()  # the root's, shared by every unit under it, after its first forward
         self.sync_grads = True  # False: keep accumulating the unsharded gradient (no_sync)
+        # False: the unsharded parameters outlive backward, so the next forward gathers nothing
+        # (FSDPModule.set_reshard_after_backward: accumulation, no optimizer step in between).
+        self.reshard_after_backward = True
         self.divide_factor: float | None = None  # the reduced sum's divisor, if not the data-parallel size
         # HSDP: False keeps each reduce-scattered sum here, unaveraged, until a reduction with True
         # all-reduces them all at once (FSDPModule.set_requires_all_reduce).
@@ -253,6 +260,12 @@ class FlatParamHandle:
                 p.grad = flat[a:b]
         self._sharded_grad = flat
         return flat
+
+    def slot_names(self, prefixes: list[str | None]) -> list[list[str]]:
+        """Per slot, its names in a model whose unit members have these name prefixes
+        (`units_with_prefixes` in impl/_unit.py; a member outside the model names nothing)."""
+        return [[prefixes[j] + fqn for fqn, j in zip(slot.fqns, members) if prefixes[j] is not None]
+                for slot, members in zip(self.layout.slots, self.slot_members)]
 
     @property
     def fqns(self) -> list[str]:
@@ -456,7 +469,7 @@ class FlatParamHandle:
         elif self.release_early and not self.recomputing:
             # Every rank gets here alike; whether it releases is its own count's answer.
             self.release_checked = True
-            if self.state == HandleState.UNSHARDED and not self._params_still_saved():
+            if self.state == HandleState.UNSHARDED and self.reshard_after_backward and not self._params_still_saved():
                 self.reshard()  # no backward op left needs the unsharded parameters
 
     def finish_backward(self) -> None:
@@ -467,6 +480,20 @@ class FlatParamHandle:
         self._views = []  # the next forward hands out fresh leaves
         self._num_views_pending = self._num_views_done = 0
         self.recomputing = self.release_checked = False
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def reset_iteration(self) -> None:
+        """Forget an iteration an exception cut short (FSDPModule.reset_iter_state): finish an
+        all-gather in flight, drop the gradients not yet reduced and the views handed out, reshard."""
+        if self._pending is not None:
+            self._finish_unshard()
+        self._slot_grads = []
+        self._views = []
+        self._num_views_pending = self._num_views_done = 0
+        self.recomputing = self.release_checked = False
+        self.reduce_due = False
+        self.partial_reduced = None
         self.reshard()
 
     def reduce_gradients(self) -> None:
@@ -668,6 +695,12 @@ class GradReducer:
         pending, self._in_flight = self._in_flight, None
         if pending is not None:
             pending.finish()
+
+    def drop(self) -> None:
+        """Finish the collective in flight (every rank issued it) without using its result."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None and pending.work is not None:
+            pending.work.wait()
 
 
 def _storage_refs(tensor: torch.Tensor) -> int:

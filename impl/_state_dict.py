@@ -17,12 +17,15 @@ import torch.nn as nn
 
 from impl._flat_param import FlatLayout, unflatten_views, zero_padding_
 from impl._handle import FlatParamHandle, gather_full_many
-from impl._unit import FSDPUnit
+from impl._unit import FSDPUnit, units_with_prefixes
 
 
-def register_state_dict_hooks(module: nn.Module, unit: FSDPUnit) -> None:
-    module.register_state_dict_post_hook(_make_post_hook(unit))
-    module.register_load_state_dict_pre_hook(_make_load_pre_hook(unit))
+def register_state_dict_hooks(module: nn.Module, unit: FSDPUnit, member: int = 0) -> None:
+    """The hooks of `module`, the unit's member `member` ([Note: Module groups] in impl/_unit.py):
+    they write and read the names of the parameters relative to it."""
+    module.register_state_dict_post_hook(_make_post_hook(unit, member))
+    module.register_load_state_dict_pre_hook(
+        _make_load_pre_hook(unit) if len(unit.members) == 1 else _make_member_load_pre_hook(unit, member))
 
 
 # id(handle) -> its full tensors, gathered for every unit at once by full_state_dict (else each
@@ -30,14 +33,47 @@ def register_state_dict_hooks(module: nn.Module, unit: FSDPUnit) -> None:
 _GATHERED: ContextVar[dict[int, list[torch.Tensor]] | None] = ContextVar("_GATHERED", default=None)
 
 
-def _make_post_hook(unit: FSDPUnit):
+def _make_post_hook(unit: FSDPUnit, member: int):
+    last = member == len(unit.members) - 1  # a group's other members read the gathered tensors too
+
     def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
         gathered = _GATHERED.get()
         for handle in unit.handles:
-            fulls = gathered.pop(id(handle)) if gathered is not None and id(handle) in gathered else handle.gather_full()
-            for slot, full in zip(handle.layout.slots, fulls):
-                for fqn in slot.fqns:
-                    state_dict[prefix + fqn] = full
+            if gathered is not None and id(handle) in gathered:
+                fulls = gathered.pop(id(handle)) if last else gathered[id(handle)]
+            else:
+                fulls = handle.gather_full()
+            for slot, members, full in zip(handle.layout.slots, handle.slot_members, fulls):
+                for fqn, j in zip(slot.fqns, members):
+                    if j == member:
+                        state_dict[prefix + fqn] = full
+
+    return hook
+
+
+def _make_member_load_pre_hook(unit: FSDPUnit, member: int):
+    """A group member's load hook: each of its names gets this rank's piece of the full tensor
+    given under it (the elements of the slot inside this rank's shard), which its owner loads."""
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for handle in unit.handles:
+            start, _ = handle.layout.shard_bounds(handle.comm.groups.shard_rank)
+            sharded = handle.sharded
+            for slot, members, (a, b) in zip(handle.layout.slots, handle.slot_members, handle.local_bounds):
+                for fqn, j in zip(slot.fqns, members):
+                    key = prefix + fqn
+                    if j != member:
+                        continue
+                    if key not in state_dict:
+                        error_msgs.append(f"missing original parameters for a sharded unit: {[key]}")
+                        continue
+                    tensor = state_dict[key]
+                    if tuple(tensor.shape) != tuple(slot.size):
+                        error_msgs.append(f"size mismatch for {key}: checkpoint {tuple(tensor.shape)}, "
+                                          f"model {tuple(slot.size)}")
+                        tensor = torch.zeros(slot.size, dtype=sharded.dtype)
+                    flat = tensor.to(device=sharded.device, dtype=sharded.dtype).reshape(-1)
+                    state_dict[key] = flat[a + start - slot.offset:b + start - slot.offset] if b > a else flat[:0]
+            handle.reshard()
 
     return hook
 
@@ -70,7 +106,7 @@ def _make_load_pre_hook(unit: FSDPUnit):
 
 
 def _handles(model: nn.Module) -> list[FlatParamHandle]:
-    return [h for m in model.modules() if "_fsdp_unit" in m.__dict__ for h in m.__dict__["_fsdp_unit"].handles]
+    return [h for unit, _ in units_with_prefixes(model) for h in unit.handles]
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -103,7 +139,7 @@ def init_meta_module(model: nn.Module, device: torch.device | str = "cpu") -> nn
     reported by name instead of silently training from uninitialised memory.
     """
     model.to_empty(device=device)
-    handles = [h for m in model.modules() if "_fsdp_unit" in m.__dict__ for h in m.__dict__["_fsdp_unit"].handles]
+    handles = _handles(model)
     for handle in handles:
         handle.bind_pieces()  # to_empty() gave each piece storage of its own
     handles_of: dict[int, list] = {}  # id(owning module) -> handles holding its parameters
@@ -177,22 +213,21 @@ def full_grad_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     model: a parameter that had no gradient on any rank ([Note: Gradients with their used flags]
     in impl/_handle.py; the same parameters on every rank, so every rank gathers the same shards).
     """
-    entries: list[tuple[str, FlatParamHandle, torch.Tensor]] = []  # (unit prefix, handle, shard gradient)
+    entries: list[tuple[list, FlatParamHandle, torch.Tensor]] = []  # (member prefixes, handle, shard gradient)
     held: set[int] = set()
-    for fqn, module in model.named_modules():
-        unit = module.__dict__.get("_fsdp_unit")
-        for handle in unit.handles if unit else ():
+    for unit, prefixes in units_with_prefixes(model):
+        for handle in unit.handles:
             held.update(id(p) for p in handle.pieces)
             grad = handle.sharded_grad
             if grad is not None:
-                entries.append((f"{fqn}." if fqn else "", handle, grad.detach()))
+                entries.append((prefixes, handle, grad.detach()))
     fulls = gather_full_many([(h, g) for _, h, g in entries])
     grads: dict[str, torch.Tensor] = {}
-    for (prefix, handle, _), full in zip(entries, fulls):
-        for slot, piece, tensor in zip(handle.layout.slots, handle.pieces, full):
+    for (prefixes, handle, _), full in zip(entries, fulls):
+        for names, piece, tensor in zip(handle.slot_names(prefixes), handle.pieces, full):
             if piece.grad is not None:
-                for tied in slot.fqns:
-                    grads[prefix + tied] = tensor
+                for name in names:
+                    grads[name] = tensor
     for name, param in model.named_parameters():
         if id(param) not in held and param.grad is not None:  # outside every unit: replicated
             grads[name] = param.grad.detach().clone()
@@ -210,6 +245,7 @@ class LocalShard:
     layout: FlatLayout
     data: torch.Tensor  # (shard_numel,), a detached clone
     grad: torch.Tensor | None
+    names: tuple[tuple[str, ...], ...] = ()  # per slot, its names in the model (tied names share a slot)
 
     @property
     def padding_intervals(self) -> tuple[tuple[int, int], ...]:
@@ -225,9 +261,9 @@ class LocalShard:
 def local_shards(model: nn.Module) -> list[LocalShard]:
     """This rank's raw flat-parameter shards (no collective)."""
     shards = []
-    for fqn, module in model.named_modules():
-        unit = module.__dict__.get("_fsdp_unit")
-        for handle in unit.handles if unit else ():
+    for unit, prefixes in units_with_prefixes(model):
+        fqn = next((p for p in prefixes if p is not None), "").removesuffix(".")
+        for handle in unit.handles:
             param = handle.sharded.detach()
             shards.append(
                 LocalShard(
@@ -238,6 +274,7 @@ def local_shards(model: nn.Module) -> list[LocalShard]:
                     layout=handle.layout,
                     data=param.clone(),
                     grad=None if handle.sharded_grad is None else handle.sharded_grad.detach().clone(),
+                    names=tuple(tuple(n) for n in handle.slot_names(prefixes)),
                 )
             )
     return shards

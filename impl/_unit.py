@@ -33,6 +33,18 @@ forward (backward runs the units in reverse). The backend gathers while this uni
 the cost of one more unit unsharded. A guess that does not come true (control flow changed) only
 gathers early: a unit still gathers at its own pre-forward / pre-backward if it has not, and
 every unit is resharded at the end of backward.
+
+[Note: Module groups]
+`fully_shard([embed, head])` makes one unit of several modules (FSDP2's idiom for a tied embedding
+and output head, which one flat parameter must hold). Every member holds the unit and gets its
+hooks; the unit's pass through forward begins at the pre-forward of whichever member runs first
+(the all-gather, the lifecycle's FORWARD) and ends at the post-forward of the last member to run
+(the reshard, the pre-backward hook, IDLE); the members in between only point their names at the
+views. A member that did not run in a forward (a chunked loss calling the head later) leaves the
+pass open: the root's post-forward ends it on the root's output, and the end of backward clears
+what is left. Names of a group's parameters are each relative to their member (the handle's
+`slot_members`), so code that names parameters goes through `units_with_prefixes`, which meets
+each unit once with every member's prefix.
 """
 
 from __future__ import annotations
@@ -87,8 +99,14 @@ class FSDPUnit:
         reshard_after_forward: bool | None,
         cast_inputs_to: torch.dtype | None,
         cast_outputs_to: torch.dtype | None = None,
+        members: list[nn.Module] | None = None,
     ) -> None:
         self.module = module
+        # [Note: Module groups]: every module whose parameters this unit holds; one but for a list
+        # passed to fully_shard, whose pass through forward runs from the first member's
+        # pre-forward to the last member's post-forward.
+        self.members = list(members) if members else [module]
+        self._to_run: set[int] = set()  # ids of the members yet to run in this forward's pass
         self.handles = handles
         self.reshard_after_forward = reshard_after_forward  # as configured: None, True or False
         self.cast_inputs_to = cast_inputs_to
@@ -113,6 +131,9 @@ class FSDPUnit:
         self.forward_end: int | None = None
         self._clock = 0  # as a root
         self.reducer = GradReducer()  # as a root: the gradient reductions of every unit below it
+        # As a root: False leaves the last reduction of a backward in flight (FSDP2's
+        # set_is_last_backward, for micro-batches); the next reduction or last backward waits for it.
+        self.is_last_backward = True
 
     # -- root ------------------------------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -121,8 +142,8 @@ class FSDPUnit:
         self.is_root = True
         for fqn, sub in self.module.named_modules():
             unit = sub.__dict__.get("_fsdp_unit")
-            if unit is None:
-                continue
+            if unit is None or any(u is unit for u in self.all_units):
+                continue  # a group's unit is met once per member ([Note: Module groups])
             unit.name = fqn or "<root>"
             if unit is not self:
                 if unit.is_root:
@@ -172,7 +193,9 @@ class FSDPUnit:
             for handle in unit.handles:
                 handle.reduce_gradients()  # every unit still due, some of whose views got no gradient here
             unit._enter(TrainingState.IDLE)
-        self.reducer.wait()  # every .grad complete before backward returns
+            unit._to_run.clear()
+        if self.is_last_backward:
+            self.reducer.wait()  # every .grad complete before backward returns
         self._finalize_queued = False
 
     def _reduce_units_after(self, end: int | None) -> None:
@@ -204,16 +227,21 @@ class FSDPUnit:
                 for handle in unit.handles:
                     handle.reducer = self.reducer
         in_backward = self.in_backward()
-        if not in_backward:
+        # A group's pass through forward is under way from its first member's pre-forward until
+        # its last member's post-forward ([Note: Module groups]): later members only gather.
+        first = not in_backward and not (self._to_run and self.training_state is TrainingState.FORWARD)
+        if first:
             self._enter(TrainingState.FORWARD)
             self._record_pre_forward()
+            if len(self.members) > 1:
+                self._to_run = {id(m) for m in self.members}
         for handle in self.handles:
             handle.check_materialized(self.name)
             if handle.state == HandleState.SHARDED:
                 handle.zero_sharded_padding_()
             handle.unshard()
             handle.use_views()
-        if not in_backward:
+        if first:
             _prefetch(self.forward_prefetch, self._next_in_forward)
         if self.cast_inputs_to is not None:
             args, kwargs = _cast_floating((args, kwargs), self.cast_inputs_to)
@@ -224,6 +252,26 @@ class FSDPUnit:
             # Recomputation (activation checkpointing) inside backward: the parameters stay
             # unsharded until this unit's gradients are reduced.
             return output
+        if self._to_run:
+            self._to_run.discard(id(module))
+            if self._to_run:  # the group's pass goes on: its other members are still to run
+                return _cast_floating(output, self.cast_outputs_to) if self.cast_outputs_to is not None else output
+        if self.is_root:
+            output = self._end_open_passes(output)
+        return self._end_forward(output)
+
+    def _end_open_passes(self, output: Any) -> Any:
+        """As a root at its post-forward: end the pass of every group some member of which did not
+        run in this forward ([Note: Module groups]), on the root's output, so its backward comes."""
+        for unit in reversed(self.all_units):
+            if unit is not self and unit._to_run and unit.training_state is TrainingState.FORWARD:
+                unit._to_run.clear()
+                output = unit._end_forward(output)
+        return output
+
+    def _end_forward(self, output: Any) -> Any:
+        """The end of this unit's pass through forward: reshard as configured, register the hook
+        that gathers again before its backward, return to IDLE."""
         if self.reshards_after_forward:
             for handle in self.handles:
                 handle.reshard(for_backward_regather=True)
@@ -262,6 +310,11 @@ class FSDPUnit:
             root._reduce_units_after(self.forward_end)
             if root is not self and root.training_state is TrainingState.IDLE:
                 root._enter(TrainingState.PRE_BACKWARD)  # a backward that began below the root's outputs
+        if self._to_run and self.training_state is TrainingState.FORWARD:
+            # A group's pass some member ran in after the root's forward (a chunked loss's head):
+            # it ends here, its parameters kept for the backward ([Note: Module groups]).
+            self._to_run.clear()
+            self._enter(TrainingState.IDLE)
         self._enter(TrainingState.PRE_BACKWARD)
         for handle in self.handles:
             handle.unshard()
@@ -281,6 +334,21 @@ class FSDPUnit:
         if root._last_pre_forward is not None:
             root._last_pre_forward._next_in_forward = self
         root._last_pre_forward = self
+
+    def reset_iteration(self) -> None:
+        """As a root: forget an iteration an exception cut short (FSDPModule.reset_iter_state): the
+        reduction in flight dropped, every unit resharded and IDLE, its passes and clocks cleared.
+        The one move of the lifecycle outside TRANSITIONS ([Note: Unit lifecycle])."""
+        self.reducer.drop()
+        for unit in self.all_units or [self]:
+            for handle in unit.handles:
+                handle.reset_iteration()
+            unit.training_state = TrainingState.IDLE
+            unit._to_run.clear()
+            unit.forward_begin = unit.forward_end = None
+        self._finalize_queued = False
+        self._clock = 0
+        self._last_pre_forward = self._last_post_forward = None
 
     # -- FSDPModule methods ------------------------------------------------------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -302,3 +370,19 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+def units_with_prefixes(model: nn.Module) -> list[tuple[FSDPUnit, list[str | None]]]:
+    """Every unit under `model` once, in the order of its first member in `model.named_modules()`,
+    with each member's name prefix in `model` ("" for `model` itself, "a.b." below it; None for a
+    member outside `model`): a group's unit is held by every member ([Note: Module groups])."""
+    found: dict[int, tuple[FSDPUnit, list[str | None]]] = {}
+    for fqn, module in model.named_modules():
+        unit = module.__dict__.get("_fsdp_unit")
+        if unit is None:
+            continue
+        _, prefixes = found.setdefault(id(unit), (unit, [None] * len(unit.members)))
+        for j, member in enumerate(unit.members):
+            if member is module:
+                prefixes[j] = f"{fqn}." if fqn else ""
+    return list(found.values())

@@ -13,7 +13,7 @@ from impl._collectives import CommStats, group_rank_and_size
 from impl._faults import Seams, seams_for
 from impl._flat_param import FlatLayout, align_numel_for
 from impl._handle import CommConfig, FlatParamHandle, Precision, ShardGroups
-from impl._unit import FSDPUnit
+from impl._unit import FSDPUnit, units_with_prefixes
 
 FLAT_PARAM_NAMES = {True: "_flat_param", False: "_flat_param_frozen"}
 _OWNER_ATTR = "_impl_fsdp_owner"  # set on an original Parameter once a unit owns it
@@ -87,6 +87,35 @@ class FSDPModule:
         for unit in self._units(recurse):
             unit.reshard_after_forward = reshard_after_forward
 
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False keeps this unit's (and, with `recurse`, every unit's below it) unsharded parameters
+        after backward, so the next forward gathers nothing: for gradient accumulation, with no
+        optimizer step before the parameters are resharded (set True again, or `reshard()`)."""
+        if not isinstance(reshard_after_backward, bool):
+            raise ValueError(f"set_reshard_after_backward({reshard_after_backward!r}): pass True or False")
+        for unit in self._units(recurse):
+            for handle in unit.handles:
+                handle.reshard_after_backward = reshard_after_backward
+
+    def reset_iter_state(self) -> None:
+        """After a forward or backward that raised: every unit back to IDLE and resharded, the
+        reductions in flight and the gradients not yet reduced dropped (that iteration's gradients
+        are lost: restart an accumulation), so the next iteration runs normally. Call it on the
+        root (the module wrapped last, whose forward runs first)."""
+        unit = self.fsdp_unit()
+        if unit.is_root is False:
+            raise RuntimeError(f"reset_iter_state: {type(self).__name__} is not the root; call it on the module "
+                               f"whose forward runs first (wrapped last)")
+        unit.reset_iteration()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step: False lets it return with
+        its last gradient reduction in flight (micro-batches), finished by the next reduction or
+        the next backward with True; gradients are complete only after that one."""
+        root = self.fsdp_unit()
+        root = root.root_unit or root
+        root.is_last_backward = bool(is_last_backward)
+
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters each backward's gradients within the shard group and keeps the
         sums, True (the default) all-reduces them over the replicas, with any kept before, and
@@ -108,7 +137,8 @@ class FSDPModule:
 
     def _units(self, recurse: bool) -> list[FSDPUnit]:
         modules = self.modules() if recurse else [self]
-        return [m.__dict__["_fsdp_unit"] for m in modules if "_fsdp_unit" in m.__dict__]
+        found = {id(u): u for m in modules if (u := m.__dict__.get("_fsdp_unit")) is not None}
+        return list(found.values())
 
 
 class UnshardHandle:
@@ -180,7 +210,7 @@ def _drop_trivial(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     process_group: dist.ProcessGroup | None = None,
     replicate_group: dist.ProcessGroup | None = None,
@@ -193,7 +223,12 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     _faults: frozenset[str] = frozenset(),
 ) -> nn.Module:
-    """Shard `module`'s parameters (those not already owned by a wrapped sub-module).
+    """Shard `module`'s parameters (those not already owned by a wrapped sub-module); returns it.
+
+    module: a module, or a list of modules sharded as one unit (FSDP2's group: a tied embedding
+        and output head in one flat parameter): all-gathered at the first member's forward,
+        resharded after the last member's ([Note: Module groups] in impl/_unit.py); a member
+        inside another member is dropped, as FSDP2 drops it.
 
     process_group: the group parameters are sharded over. None means the default (world) group
         when torch.distributed is initialized and no group at all (W = 1) otherwise.
@@ -215,22 +250,27 @@ def fully_shard(
     ignored_params: parameters left as they are: not sharded, not gathered, their gradients not
         reduced (the caller keeps them in step across ranks), skipped by enclosing units too.
     """
-    if "_fsdp_unit" in module.__dict__:
-        raise ValueError(f"fully_shard({type(module).__name__}): module is already wrapped")
+    members = _group_members(module)
+    what = _describe(members)
+    for member in members:
+        if "_fsdp_unit" in member.__dict__:
+            raise ValueError(f"fully_shard({what}): {type(member).__name__} is already wrapped")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
-            f"fully_shard({type(module).__name__}): reshard_after_forward={reshard_after_forward!r}: impl reshards "
+            f"fully_shard({what}): reshard_after_forward={reshard_after_forward!r}: impl reshards "
             f"to the whole shard group only; pass True, False or None")
-    taken = [fqn or "<self>" for fqn, sub in _unwrapped_modules(module) if _OWNED_BY_ATTR in sub.__dict__]
-    if taken:
-        raise ValueError(
-            f"fully_shard({type(module).__name__}): the parameters of {taken} already belong to an "
-            f"enclosing unit ({module.__dict__.get(_OWNED_BY_ATTR) or 'a parent'}). Apply "
-            f"fully_shard to sub-modules first, then to their parent and the root."
-        )
+    for member in members:
+        taken = [fqn or "<self>" for fqn, sub in _unwrapped_modules(member) if _OWNED_BY_ATTR in sub.__dict__]
+        if taken:
+            raise ValueError(
+                f"fully_shard({what}): the parameters of {taken} already belong to an "
+                f"enclosing unit ({member.__dict__.get(_OWNED_BY_ATTR) or 'a parent'}). Apply "
+                f"fully_shard to sub-modules first, then to their parent and the root."
+            )
     for param in ignored_params or ():
         setattr(param, _IGNORED_ATTR, True)
-    _check_placements(module, shard_placement_fn)
+    for member in members:
+        _check_placements(member, shard_placement_fn, what)
     seams = seams_for(frozenset(_faults))
     mp_policy = mp_policy or MixedPrecisionPolicy()
     if mesh is not None:
@@ -243,8 +283,9 @@ def fully_shard(
     shard_rank, shard_world_size = group_rank_and_size(process_group)
     _, replicate_world_size = group_rank_and_size(replicate_group)
 
-    owners, params = _collect_params(module, seams)
-    seams.wrapped_buffers([b for _, sub in _unwrapped_modules(module) for b in sub.buffers(recurse=False)])
+    owners, params = _collect_params(members, seams, what)
+    seams.wrapped_buffers([b for member in members for _, sub in _unwrapped_modules(member)
+                           for b in sub.buffers(recurse=False)])
     comm = CommConfig(
         groups=ShardGroups(process_group, replicate_group, shard_rank, shard_world_size, replicate_world_size),
         precision=Precision(mp_policy.param_dtype, mp_policy.reduce_dtype),
@@ -257,82 +298,107 @@ def fully_shard(
         idx = [i for i, p in enumerate(params) if p.requires_grad == requires_grad]
         if idx:
             handles.append(
-                _make_handle(module, [params[i] for i in idx], [owners[i] for i in idx], comm, requires_grad)
+                _make_handle(members, [params[i] for i in idx], [owners[i] for i in idx], comm, requires_grad)
             )
     for p in params:
-        setattr(p, _OWNER_ATTR, type(module).__name__)
+        setattr(p, _OWNER_ATTR, what)
 
     unit = FSDPUnit(
-        module,
+        members[0],
         handles,
         reshard_after_forward=seams.reshard_after_forward(reshard_after_forward),
         cast_inputs_to=mp_policy.param_dtype if mp_policy.cast_forward_inputs else None,
         cast_outputs_to=mp_policy.output_dtype,
+        members=members,
     )
-    module.__dict__["_fsdp_unit"] = unit
-    module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
-    module.register_forward_hook(unit.post_forward, with_kwargs=True)
+    from impl._state_dict import register_state_dict_hooks
+
+    for j, member in enumerate(members):
+        member.__dict__["_fsdp_unit"] = unit
+        member.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
+        member.register_forward_hook(unit.post_forward, with_kwargs=True)
+        register_state_dict_hooks(member, unit, j)
+        cls = type(member)
+        member.__class__ = type(f"FSDP{cls.__name__}", (cls, FSDPModule), {"__module__": cls.__module__})
     # Recomputation (activation checkpointing inside the unit) runs the owners' forward in
     # backward, possibly after the unit released its parameters: their hooks re-gather.
     owner_modules = {id(sub): sub for h in handles for owners in h.slot_owners for sub, _ in owners}
     for sub in owner_modules.values():
-        if sub is not module:
+        if all(sub is not member for member in members):
             sub.register_forward_pre_hook(unit.owner_pre_forward)
-    from impl._state_dict import register_state_dict_hooks
-
-    register_state_dict_hooks(module, unit)
-    cls = type(module)
-    module.__class__ = type(f"FSDP{cls.__name__}", (cls, FSDPModule), {"__module__": cls.__module__})
     return module
 
 
+def _group_members(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """The modules one unit holds: `module`, or the modules of a list that are not inside another
+    of them, in the list's order ([Note: Module groups] in impl/_unit.py)."""
+    if isinstance(module, nn.Module):
+        return [module]
+    modules = list(module) if isinstance(module, (list, tuple)) else None
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"fully_shard: expected a module or a non-empty list of modules, got {module!r}")
+    inside = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+    members, seen = [], set()
+    for m in modules:
+        if id(m) not in inside and id(m) not in seen:
+            seen.add(id(m))
+            members.append(m)
+    return members
+
+
+def _describe(members: list[nn.Module]) -> str:
+    names = [type(m).__name__ for m in members]
+    return names[0] if len(names) == 1 else f"[{', '.join(names)}]"
+
+
 def _collect_params(
-    module: nn.Module, seams: Seams
-) -> tuple[list[list[tuple[nn.Module, str, str]]], list[nn.Parameter]]:
-    """Parameters `module` owns (skipping wrapped sub-modules), deduplicated, with every name."""
+    members: list[nn.Module], seams: Seams, what: str
+) -> tuple[list[list[tuple[nn.Module, str, str, int]]], list[nn.Parameter]]:
+    """Parameters the members own (skipping wrapped sub-modules), deduplicated, with every name
+    (relative to its member) and the member's index."""
     params: list[nn.Parameter] = []
-    owners: list[list[tuple[nn.Module, str, str]]] = []
+    owners: list[list[tuple[nn.Module, str, str, int]]] = []
     index_of: dict[int, int] = {}
-    for fqn, sub, name, param in _owned_params(module):
+    for j, fqn, sub, name, param in ((j, *o) for j, m in enumerate(members) for o in _owned_params(m)):
         if getattr(param, _IGNORED_ATTR, False):
             continue  # ignored_params: left as it is
         if hasattr(param, _OWNER_ATTR):
             raise ValueError(
-                f"fully_shard({type(module).__name__}): parameter '{fqn}' is already sharded by "
+                f"fully_shard({what}): parameter '{fqn}' is already sharded by "
                 f"another unit ({getattr(param, _OWNER_ATTR)}). A parameter shared across two "
                 f"wrapped units is not supported; wrap a common ancestor of both uses instead "
                 f"(e.g. keep tied embedding and output head in the same unit)."
             )
         if not param.is_contiguous():
             raise NotImplementedError(
-                f"fully_shard({type(module).__name__}): parameter '{fqn}' is not contiguous (shape "
+                f"fully_shard({what}): parameter '{fqn}' is not contiguous (shape "
                 f"{tuple(param.shape)}, strides {param.stride()}; channels_last, a transposed view): its "
                 f"unsharded view would be contiguous, so its memory format would change silently. Fix: make it "
                 f"contiguous first (FSDP2 refuses it too)."
             )
         if not param.is_floating_point():
             raise ValueError(
-                f"fully_shard({type(module).__name__}): parameter '{fqn}' has dtype {param.dtype}; "
+                f"fully_shard({what}): parameter '{fqn}' has dtype {param.dtype}; "
                 f"only floating-point parameters can be sharded. Fix: make it a buffer."
             )
         if id(param) in index_of and seams.shares_tied(True):
-            owners[index_of[id(param)]].append((sub, name, fqn))
+            owners[index_of[id(param)]].append((sub, name, fqn, j))
             continue
         index_of[id(param)] = len(params)
         params.append(param)
-        owners.append([(sub, name, fqn)])
+        owners.append([(sub, name, fqn, j)])
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1:
         by_dtype = {str(d): [o[0][2] for o, p in zip(owners, params) if p.dtype == d][:3] for d in dtypes}
         raise ValueError(
-            f"fully_shard({type(module).__name__}): parameters of several dtypes in one unit "
+            f"fully_shard({what}): parameters of several dtypes in one unit "
             f"{by_dtype}; one flat parameter needs one dtype. Fix: wrap them in separate units "
             f"or cast the module to one dtype first."
         )
     return owners, params
 
 
-def _check_placements(module: nn.Module, shard_placement_fn) -> None:
+def _check_placements(module: nn.Module, shard_placement_fn, what: str) -> None:
     """shard_placement_fn: None, or an answer of None or Shard(0) for every parameter (impl's flat
     sharding); any other placement is refused, naming the parameter."""
     if shard_placement_fn is None:
@@ -344,7 +410,7 @@ def _check_placements(module: nn.Module, shard_placement_fn) -> None:
         dim = getattr(placement, "dim", None)
         if type(placement).__name__ != "Shard" or dim not in (0, -param.dim() if param.dim() else 0):
             raise NotImplementedError(
-                f"fully_shard({type(module).__name__}): shard_placement_fn gave {placement!r} for '{fqn}': impl "
+                f"fully_shard({what}): shard_placement_fn gave {placement!r} for '{fqn}': impl "
                 f"shards one flat parameter per unit, which computes as Shard(0); return None or Shard(0)")
 
 
@@ -369,15 +435,16 @@ def _owned_params(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.P
 
 
 def _make_handle(
-    module: nn.Module,
+    members: list[nn.Module],
     params: list[nn.Parameter],
-    owners: list[list[tuple[nn.Module, str, str]]],
+    owners: list[list[tuple[nn.Module, str, str, int]]],
     comm: CommConfig,
     requires_grad: bool,
 ) -> FlatParamHandle:
+    module = members[0]
     dtypes = {params[0].dtype} | ({comm.precision.param_dtype} if comm.precision.param_dtype is not None else set())
     layout = FlatLayout.build(
-        [(tuple(fqn for _, _, fqn in o), p.shape) for o, p in zip(owners, params)],
+        [(tuple(fqn for _, _, fqn, _ in o), p.shape) for o, p in zip(owners, params)],
         comm.groups.shard_world_size,
         align_numel_for(*dtypes),  # [Note: Alignment]: in the sharded and the compute dtype
     )
@@ -385,20 +452,26 @@ def _make_handle(
     device, dtype = params[0].device, params[0].dtype
     local = torch.empty(layout.shard_numel, dtype=dtype, device=device)
     handle = FlatParamHandle(
-        module, param_name, layout, [[(m, n) for m, n, _ in o] for o in owners], comm, requires_grad, local
+        module, param_name, layout, [[(m, n) for m, n, _, _ in o] for o in owners], comm, requires_grad, local,
+        slot_members=[tuple(j for *_, j in o) for o in owners],
     )
+    if len(members) > 1:  # released early only where every owner is below the members
+        handle.release_early = all(sub is not m for o in owners for sub, *_ in o for m in members)
     if device.type != "meta":
         with torch.no_grad():
             local.copy_(handle.init_sharded_from([p.detach() for p in params]))
     # [Note: Per-parameter shards]: each owner's name now holds this rank's piece of the parameter.
+    what = _describe(members)
     for piece, owner_list in zip(handle.pieces, owners):
-        setattr(piece, _OWNER_ATTR, type(module).__name__)
-        for sub, name, _ in owner_list:
+        setattr(piece, _OWNER_ATTR, what)
+        for sub, name, _, _ in owner_list:
             sub._parameters[name] = piece
-            sub.__dict__[_OWNED_BY_ATTR] = type(module).__name__
+            sub.__dict__[_OWNED_BY_ATTR] = what
     return handle
 
 
 def units(model: nn.Module) -> list[tuple[str, FSDPUnit]]:
-    """(fqn, unit) of every wrapped module under `model`, in module order."""
-    return [(fqn, m.__dict__["_fsdp_unit"]) for fqn, m in model.named_modules() if "_fsdp_unit" in m.__dict__]
+    """(fqn, unit) of every unit under `model`, once each (a group's under its first member's
+    name), in module order."""
+    return [(next((p for p in prefixes if p is not None), "").removesuffix("."), unit)
+            for unit, prefixes in units_with_prefixes(model)]

@@ -45,6 +45,11 @@ class FSDP2(Adapter):
                 DTYPES[features.param_dtype], DTYPES[features.reduce_dtype] if features.reduce_dtype else None)
         for path in wrap_paths:
             fully_shard(model.get_submodule(path), **kwargs)
+        for group in features.wrap_groups:
+            members = [model.get_submodule(path) for path in group]
+            fully_shard(members, **kwargs)
+            if len({id(fully_shard.state(m)) for m in members}) != 1:
+                raise RuntimeError(f"rank {ctx.rank}: fully_shard({list(group)}) left its members in several states")
         fully_shard(model, **kwargs)
         if features.prefetch:
             set_prefetch(model, wrap_paths)

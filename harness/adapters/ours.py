@@ -47,6 +47,11 @@ class Ours(Adapter):
         else:
             for path in wrap_paths:
                 impl.fully_shard(model.get_submodule(path), **kwargs)
+            for group in features.wrap_groups:
+                members = [model.get_submodule(path) for path in group]
+                impl.fully_shard(members, **kwargs)
+                if len({id(m.__dict__.get("_fsdp_unit")) for m in members}) != 1:
+                    raise RuntimeError(f"rank {ctx.rank}: fully_shard({list(group)}) left its members in several units")
             impl.fully_shard(model, **kwargs)
         if features.prefetch:
             set_prefetch(model, wrap_paths)
@@ -133,9 +138,8 @@ class Ours(Adapter):
         out = {}
         for shard in local_shards(model):
             layout = shard.layout
-            for slot in layout.slots:
-                for fqn in slot.fqns:
-                    name = f"{shard.unit_fqn}.{fqn}" if shard.unit_fqn else fqn
+            for slot, names in zip(layout.slots, shard.names):
+                for name in names:
                     out[name] = {
                         "kind": "flat",
                         "unit": shard.unit_fqn or "<root>",

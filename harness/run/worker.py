@@ -227,7 +227,28 @@ def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, init_state, i
         _load_nonpersistent_after_meta(wrapped, init_state, init_buffers)
     if features.cpu_offload:
         _check_offloaded(adapter, wrapped, ctx)
+    if features.wrap_groups:
+        _check_grouped(adapter, wrapped, ctx)
     return wrapped
+
+
+def _check_grouped(adapter: Adapter, wrapped: nn.Module, ctx: RankContext) -> None:
+    """A case wrapping modules as one unit (Features.wrap_groups) is judged only where its layouts
+    put every parameter of a group in one unit: a wrap that skips the group trains the same numbers
+    and would pass a check of values alone. Layouts that name no unit (one per parameter, as
+    FSDP2's) leave it to the adapter's own wrap."""
+    layouts = adapter.layouts(wrapped)
+    names = [name for name, _ in wrapped.named_parameters(remove_duplicate=False) if name in layouts]
+    for group in ctx.features.wrap_groups:
+        inside = {name for name in names if any(name.startswith(f"{path}.") for path in group)}
+        units = {layouts[name].get("unit") for name in inside}
+        if None in units:
+            continue
+        shared = sorted(name for name in names if name not in inside and layouts[name].get("unit") in units)
+        if len(units) != 1 or shared:
+            raise RuntimeError(f"rank {ctx.rank}: impl={adapter.name} was asked to wrap {list(group)} as one unit "
+                               f"(case feature wrap_groups) but its layouts put their parameters in units "
+                               f"{sorted(units)}{f' with {shared[:3]}' if shared else ''}: the group was not applied")
 
 
 def _check_offloaded(adapter: Adapter, wrapped: nn.Module, ctx: RankContext) -> None:

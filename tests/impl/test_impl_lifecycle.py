@@ -296,3 +296,68 @@ def test_a_non_contiguous_parameter_is_refused_and_a_0d_one_is_sharded():
     grads = dict(ours.named_parameters())
     for name, p in ref.named_parameters():
         assert torch.equal(grads[name].grad.reshape(-1), p.grad.reshape(-1)), name
+
+
+class FailsOnce(nn.Module):
+    """A block that raises in forward, or in backward (a hook on its output's gradient), once."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block, self.fail = block, None
+
+    def forward(self, x):
+        if self.fail == "forward":
+            raise ValueError("planted in forward")
+        out = self.block(x)
+        if self.fail == "backward" and out.requires_grad:
+            def raise_(grad):
+                raise ValueError("planted in backward")
+            out.register_hook(raise_)
+        return out
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_reset_iter_state_after_an_exception_trains_on_as_the_plain_model(where):
+    """A forward or backward that raises half-way leaves units FORWARD or PRE_BACKWARD, unsharded, with
+    gradients half-reduced; reset_iter_state() on the root forgets that iteration, and the next three
+    AdamW steps give the plain model's losses and parameters bit for bit (the plain model skipping the
+    failed iteration too). Called on a non-root it raises."""
+    torch.manual_seed(0)
+    ref = TransformerLM(TransformerConfig())
+    ref.blocks[1] = FailsOnce(ref.blocks[1])
+    ours = copy.deepcopy(ref)
+    for block in ours.blocks:
+        fully_shard(block)
+    fully_shard(ours)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours)]
+    x, y = lm_batch(0)
+    lm_loss(ours(x), y).backward()  # one whole iteration first: the root is initialised
+    lm_loss(ref(x), y).backward()
+    for m, o in zip((ref, ours), opts):
+        o.step()
+        o.zero_grad()
+    ours.blocks[1].fail = where
+    with pytest.raises(ValueError, match=f"planted in {where}"):
+        lm_loss(ours(x), y).backward()
+    ours.blocks[1].fail = None
+    for o in opts:
+        o.zero_grad()
+    with pytest.raises(RuntimeError, match="reset_iter_state: .* is not the root"):
+        ours.blocks[0].reset_iter_state()
+    ours.reset_iter_state()
+    root = ours.__dict__["_fsdp_unit"]
+    assert all(u.training_state is IDLE for u in root.all_units)
+    assert {h.state.name for u in root.all_units for h in u.handles} == {"SHARDED"}
+    for step in range(1, 4):
+        x, y = lm_batch(step)
+        losses = []
+        for model, opt in zip((ref, ours), opts):
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1], (step, losses)
+    full = impl.full_state_dict(ours)
+    assert all(torch.equal(full[n], p) for n, p in ref.named_parameters())
+

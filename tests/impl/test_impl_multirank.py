@@ -76,11 +76,23 @@ def test_full_state_and_grads_are_one_all_gather_each_and_bitwise(ranks):
 @pytest.mark.slow
 def test_fsdp2_api_gathers_as_fsdp2_and_divides_by_the_factor_given(tmp_path):
     """tests/rank_scripts/impl_fsdp2_api.py at W = 2: with reshard_after_forward=True (the root
-    too) and two micro-batches, impl issues as many all-gathers as torch FSDP2; with
-    set_gradient_divide_factor(1.0) the gradients are the sums, W times the means bitwise."""
+    too) and two micro-batches, impl issues as many all-gathers as torch FSDP2, also with
+    set_reshard_after_backward(False) for the first (fewer); with set_gradient_divide_factor(1.0) the
+    gradients are the sums, W times the means bitwise; set_is_last_backward(False) leaves a reduction
+    in flight and changes no gradient; reset_iter_state() after an iteration that raised half-way
+    gives the next iteration a fresh model's gradients."""
     for rank in run_rank_script("impl_fsdp2_api.py", 2, tmp_path):
         assert rank["gathers"]["impl"] == rank["gathers"]["fsdp2"] > 0, rank
         assert rank["sums_are_w_times_means"] and rank["some_gradient_nonzero"], rank
+        # set_reshard_after_backward(False) for the first micro-batch: fewer all-gathers, as many as
+        # FSDP2's, the same gradients; set_is_last_backward(False): a reduction left in flight.
+        kept = rank["kept_after_backward"]
+        assert kept["impl"] == kept["fsdp2"] < rank["gathers"]["impl"] and kept["grads_bitwise"], rank
+        hint = rank["last_backward_hint"]
+        assert hint["in_flight_after_first"] and hint["grads_bitwise"], rank
+        # reset_iter_state() after a forward or a backward that raised half-way: the next
+        # iteration's gradients are a fresh model's, bitwise.
+        assert rank["reset_after_failure"] == {"forward": True, "backward": True}, rank
 
 
 @pytest.mark.slow
@@ -92,3 +104,20 @@ def test_hsdp_accumulation_all_reduces_once_with_set_requires_all_reduce(tmp_pat
         counts = rank["all_reduces"]
         assert counts["last_only"] > 0 and counts["every_micro_batch"] == 2 * counts["last_only"], rank
         assert rank["close"] and rank["nonzero"], rank
+
+
+@pytest.mark.slow
+def test_module_groups_gather_as_fsdp2(tmp_path):
+    """tests/rank_scripts/impl_module_groups.py at W = 2: a tied LM with [tok_emb, head] one group
+    ([Note: Module groups]) trains as torch FSDP2 trains it (the same losses and parameters to float32
+    rounding; measured bitwise) with as many all-gathers when the head runs inside the root's forward
+    and no more than FSDP2's when a chunked loss calls it after; a full state dict round trip between
+    grouped models keeps every tensor and the next gradients bitwise."""
+    for rank in run_rank_script("impl_module_groups.py", 2, tmp_path):
+        whole, later = rank["whole"], rank["head_after_the_root"]
+        assert whole["gathers"]["impl"] == whole["gathers"]["fsdp2"] > 0, rank
+        assert 0 < later["gathers"]["impl"] <= later["gathers"]["fsdp2"], rank
+        for run in (whole, later):
+            assert len(run["names"]) == 26 and run["worst_relative"] <= 1e-6, run
+            assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(run["losses"]["impl"], run["losses"]["fsdp2"])), run
+        assert rank["round_trip_bitwise"] and rank["next_grads_bitwise"], rank

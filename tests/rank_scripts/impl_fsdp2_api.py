@@ -36,11 +36,19 @@ def build(fully_shard) -> torch.nn.Module:
     return model
 
 
-def gathers_of_accumulation(fully_shard, where, name: str) -> int:
-    """All-gathers of one unit's parameters, counted at the implementation's own call (`where`.`name`)."""
+def gathers_of_accumulation(fully_shard, where, name: str, keep_after_first: bool = False,
+                            last_backward_hint: bool = False, sync_every: bool = False
+                            ) -> tuple[int, list[torch.Tensor], bool]:
+    """All-gathers of one unit's parameters, counted at the implementation's own call (`where`.`name`),
+    over two micro-batches (gradient sync off for the first) and a step; the gradients before the
+    step; whether a reduction was still in flight after the first backward. `keep_after_first`:
+    set_reshard_after_backward(False) for the first micro-batch; `last_backward_hint`:
+    set_is_last_backward(False) for it (impl only: the in-flight check reads impl's reducer);
+    `sync_every`: gradient sync on for both."""
     model = build(fully_shard)
     count = [0]
     real = getattr(where, name)
+    in_flight = False
 
     def counting(*args, **kwargs):
         count[0] += 1
@@ -48,13 +56,55 @@ def gathers_of_accumulation(fully_shard, where, name: str) -> int:
     setattr(where, name, counting)
     try:
         for i in range(2):
-            model.set_requires_gradient_sync(i == 1)
+            model.set_requires_gradient_sync(i == 1 or sync_every)
+            if keep_after_first:
+                model.set_reshard_after_backward(i == 1)
+            if last_backward_hint:
+                model.set_is_last_backward(i == 1)
             x, y = batch(i)
             lm_loss(model(x), y).backward()
+            if i == 0 and last_backward_hint:
+                in_flight = model.fsdp_unit().reducer.in_flight is not None
+        grads = [p.grad.clone() for p in model.parameters()]
         torch.optim.SGD(model.parameters(), lr=0.1).step()
     finally:
         setattr(where, name, real)
-    return count[0]
+    return count[0], grads, in_flight
+
+
+def after_a_failure(where: str) -> bool:
+    """Two models built alike; the first runs an iteration that raises half-way (in a block's
+    forward, or in backward at that block's output: the root's gradients already in, some reduced),
+    then reset_iter_state(); both then run one iteration: the same gradients, bitwise."""
+    failing, fresh = build(impl.fully_shard), build(impl.fully_shard)
+    armed = [True]
+
+    def planted(*_):
+        raise ValueError("planted")
+
+    block = failing.blocks[1]
+    if where == "forward":
+        block.register_forward_pre_hook(lambda module, args: planted() if armed[0] else None)
+    else:
+        def on_output(module, args, out):
+            if armed[0]:
+                out.register_hook(planted)
+        block.register_forward_hook(on_output)
+    x, y = batch(0)
+    try:
+        lm_loss(failing(x), y).backward()
+    except ValueError:
+        pass
+    armed[0] = False
+    failing.reset_iter_state()
+    for p in failing.parameters():
+        p.grad = None
+    x, y = batch(1)
+    got = []
+    for model in (failing, fresh):
+        lm_loss(model(x), y).backward()
+        got.append([p.grad.clone() for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*got))
 
 
 def grads(divide_factor: float | None) -> list[torch.Tensor]:
@@ -74,11 +124,26 @@ def main() -> int:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-    result = {"gathers": {"impl": gathers_of_accumulation(impl.fully_shard, impl._handle, "all_gather_into"),
-                          "fsdp2": gathers_of_accumulation(torch_fully_shard, _fsdp_param_group, "foreach_all_gather")}}
+    ours = (impl.fully_shard, impl._handle, "all_gather_into")
+    theirs = (torch_fully_shard, _fsdp_param_group, "foreach_all_gather")
+    plain_count, plain_grads, _ = gathers_of_accumulation(*ours)
+    result = {"gathers": {"impl": plain_count, "fsdp2": gathers_of_accumulation(*theirs)[0]}}
+    # set_reshard_after_backward(False) for the first micro-batch: its parameters outlive its
+    # backward, so the second forward gathers nothing; the same gradients.
+    kept_count, kept_grads, _ = gathers_of_accumulation(*ours, keep_after_first=True)
+    result["kept_after_backward"] = {"impl": kept_count,
+                                     "fsdp2": gathers_of_accumulation(*theirs, keep_after_first=True)[0],
+                                     "grads_bitwise": all(torch.equal(a, b) for a, b in zip(kept_grads, plain_grads))}
+    # set_is_last_backward(False) for the first of two synced micro-batches: its last reduction is
+    # left in flight, finished by the second; the gradients are those of waiting every time.
+    _, waited, _ = gathers_of_accumulation(*ours, sync_every=True)
+    _, hinted, in_flight = gathers_of_accumulation(*ours, sync_every=True, last_backward_hint=True)
+    result["last_backward_hint"] = {"in_flight_after_first": in_flight,
+                                    "grads_bitwise": all(torch.equal(a, b) for a, b in zip(hinted, waited))}
     means, sums = grads(None), grads(1.0)
     result["sums_are_w_times_means"] = all(torch.equal(s, m * dist.get_world_size()) for s, m in zip(sums, means))
     result["some_gradient_nonzero"] = any(bool((m != 0).any()) for m in means)
+    result["reset_after_failure"] = {where: after_a_failure(where) for where in ("forward", "backward")}
     with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
         json.dump(result, f)
     rank_epilogue()

@@ -8,6 +8,7 @@ The planted adapters below are loaded by the harness as user implementations
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from cases.catalog import get_case
 from harness.adapters import FSDP1, Adapter, Padding, RankContext, RawShard
+from harness.adapters.ours import Ours
 from harness.adapters.registry import resolve_impl
 from harness.judge.diff import check_snapshot
 from harness.judge.result import Violation
@@ -270,3 +272,40 @@ def test_deepspeed_missing_is_a_skip_reason_not_a_crash(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
     assert resolve_impl("deepspeed_zero1").unsupported(get_case("mlp").features) == \
         "deepspeed is not installed (pip install -e .[deepspeed])"
+
+
+class SkipsGroups(Ours):
+    """Planted: wraps as ours does but leaves Features.wrap_groups out (the same numbers, one unit less)."""
+
+    name = "skips_groups"
+
+    def wrap(self, model, wrap_paths, ctx):
+        return super().wrap(model, wrap_paths, replace(ctx, features=replace(ctx.features, wrap_groups=())))
+
+
+@pytest.mark.parametrize("impl", ["ours", "fsdp2", f"{HERE}:SkipsGroups"])
+def test_a_group_of_modules_is_one_unit_or_the_cell_is_an_error(tmp_path, one_rank_group, impl):
+    """tied_embeddings_grouped at W = 1: ours and FSDP2 hold [tok_emb, head] in one unit of their own;
+    an adapter that leaves the group out is stopped before training (its layouts show the head in
+    the root's unit), not passed on values that cannot tell the difference."""
+    plan = build_plan(cases=("tied_embeddings_grouped",), impls=(impl,), world_sizes=(1,), data_modes=("split",),
+                      steps=1, out_dir=tmp_path / "out")
+    write_init_states(plan)
+    init, buffers = load_init(plan.init_dir / "tied_embeddings_grouped.pt", plan.run_id)
+    case = get_case("tied_embeddings_grouped")
+    (cell,) = plan.cells
+    if impl.endswith("SkipsGroups"):
+        with pytest.raises(RuntimeError, match=r"as one unit .* the group was not applied"):
+            run_cell(cell, case.optimizers[0], init, one_rank_group, tmp_path / "scratch", buffers)
+        return
+    snap = run_cell(cell, case.optimizers[0], init, one_rank_group, tmp_path / "scratch", buffers)
+    if impl == "ours":
+        units = {name: layout["unit"] for name, layout in snap["layouts"].items()}
+        assert units["tok_emb.weight"] == units["head.weight"] == "tok_emb", units
+        assert {units["pos_emb.weight"], units["ln_f.weight"]} == {"<root>"}, units
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        model = resolve_impl(impl).wrap(case.build_model(), case.wrap_paths(case.build_model()),
+                                        replace(one_rank_group, features=case.features))
+        assert fully_shard.state(model.tok_emb) is fully_shard.state(model.head) is not fully_shard.state(model)
