@@ -115,6 +115,17 @@ from impl._collectives import CommStats, all_gather_into, all_reduce_sum, reduce
 from impl._flat_param import FlatLayout, flatten_padded, unflatten_views, zero_padding_
 
 
+# [Note: Resharding to a smaller group]
+# reshard_after_forward=N (FSDP2's int, N a divisor of the shard group's size S, 1 < N < S): after
+# forward a rank keeps the k-th of N equal chunks of the unsharded padded buffer (k = its shard rank
+# mod N), in the compute dtype, and frees the rest; backward all-gathers the chunks back within its
+# group of N consecutive ranks of the shard group (the rows of the mesh's ranks viewed as (-1, N),
+# as FSDP2 builds its post-forward mesh: on GPUs, the ranks of one node). The N ranks of a group
+# hold the N distinct chunks, so the gathered buffer is the forward's, bit for bit; memory after
+# forward is 1/N of the unit instead of 1/S (True) or all of it (False). A chunk serves one backward:
+# reshard(), reset_iter_state() and the root's next forward drop it (the optimizer steps the shard).
+
+
 class HandleState(Enum):
     SHARDED = auto()
     UNSHARDED = auto()
@@ -129,6 +140,11 @@ class ShardGroups:
     shard_rank: int
     shard_world_size: int
     replicate_world_size: int
+    # reshard_after_forward=N (FSDP2's int): after forward a rank keeps one N-th of the unsharded
+    # flat parameter, and backward all-gathers it back within this group of N consecutive ranks of
+    # the shard group ([Note: Resharding to a smaller group]). None: the whole shard group.
+    post_forward_group: dist.ProcessGroup | None = None
+    post_forward_size: int = 0
 
     @property
     def data_parallel_size(self) -> int:
@@ -192,6 +208,10 @@ class FlatParamHandle:
         self._num_views_pending = 0  # gradient-tracking views handed out since the last reduce
         self._num_views_done = 0
         self._pending: tuple | None = None  # (work, input) of an all-gather in flight
+        # [Note: Resharding to a smaller group]: this rank's N-th of the unsharded buffer, from
+        # the post-forward reshard until backward gathers it back.
+        self._post_forward: torch.Tensor | None = None
+        self.use_post_forward_group = True  # False once set_reshard_after_forward(bool) replaced the int
         self.reducer = GradReducer()  # the root's, shared by every unit under it, after its first forward
         self.sync_grads = True  # False: keep accumulating the unsharded gradient (no_sync)
         # False: the unsharded parameters outlive backward, so the next forward gathers nothing
@@ -365,6 +385,14 @@ class FlatParamHandle:
                 storage.resize_(nbytes)
             del storage
             self._refs_before_gather = _storage_refs(leaf) if fresh else None
+            if self._post_forward is not None:  # [Note: Resharding to a smaller group]
+                sharded, self._post_forward = self._post_forward, None
+                work = all_gather_into(leaf.data, sharded, self.comm.groups.post_forward_group, self.comm.stats,
+                                       async_op)
+                self._pending = (work, sharded)
+                if not (async_op and work is not None):
+                    self._finish_unshard()
+                return
             sharded = self.sharded.detach()
             if sharded.dtype != leaf.dtype or sharded.device != leaf.device:
                 sharded = self.comm.seams.cast_for_gather(sharded.to(device=leaf.device, dtype=leaf.dtype), self.sharded)
@@ -439,12 +467,20 @@ class FlatParamHandle:
         if self._pending is not None:
             self._finish_unshard()
         if self.state == HandleState.SHARDED:
+            if not for_backward_regather:
+                self.drop_post_forward()  # a reshard() between forward and backward: the whole group gathers
             return
         leaf = self._leaf
         if leaf is not None and not self._aliased:
             if for_backward_regather and not self.comm.seams.regathers_for_backward(True):
                 leaf.data.zero_()
                 return  # stays "unsharded": backward will use the zeroed buffer
+            groups = self.comm.groups
+            if for_backward_regather and groups.post_forward_group is not None and self.use_post_forward_group:
+                # [Note: Resharding to a smaller group]: keep this rank's N-th for backward.
+                size = self.layout.padded_numel // groups.post_forward_size
+                k = groups.shard_rank % groups.post_forward_size
+                self._post_forward = leaf.data[k * size:(k + 1) * size].clone()
             leaf.untyped_storage().resize_(0)
         self.state = HandleState.SHARDED
 
@@ -483,11 +519,17 @@ class FlatParamHandle:
         if self.reshard_after_backward:
             self.reshard()
 
+    def drop_post_forward(self) -> None:
+        """Forget the post-forward N-th ([Note: Resharding to a smaller group]): the next gather is
+        the whole shard group's, from the shard the optimizer steps."""
+        self._post_forward = None
+
     def reset_iteration(self) -> None:
         """Forget an iteration an exception cut short (FSDPModule.reset_iter_state): finish an
         all-gather in flight, drop the gradients not yet reduced and the views handed out, reshard."""
         if self._pending is not None:
             self._finish_unshard()
+        self.drop_post_forward()
         self._slot_grads = []
         self._views = []
         self._num_views_pending = self._num_views_done = 0

@@ -326,6 +326,8 @@ class FSDPUnit:
             self._clock = 0
             for unit in self.all_units:
                 unit.forward_begin = unit.forward_end = None
+                for handle in unit.handles:  # a smaller group's N-th serves one backward only
+                    handle.drop_post_forward()
         root = self.root_unit
         if root is None:
             return

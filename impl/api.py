@@ -86,6 +86,8 @@ class FSDPModule:
             raise ValueError(f"set_reshard_after_forward({reshard_after_forward!r}): pass True or False")
         for unit in self._units(recurse):
             unit.reshard_after_forward = reshard_after_forward
+            for handle in unit.handles:  # the whole shard group from now on (an int given to fully_shard)
+                handle.use_post_forward_group = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False keeps this unit's (and, with `recurse`, every unit's below it) unsharded parameters
@@ -238,8 +240,10 @@ def fully_shard(
         a shard dimension of size 1 with replicate = world is NO_SHARD (DDP through this API).
     reshard_after_forward: False keeps parameters unsharded from forward to backward (ZeRO-2,
         SHARD_GRAD_OP); True frees them after forward and gathers them again for backward, the
-        root's too; None (the default) is True for every unit but the root, as in FSDP2. An int
-        (FSDP2: reshard to a smaller group) is refused: impl reshards to the whole shard group.
+        root's too; None (the default) is True for every unit but the root, as in FSDP2. An int N,
+        a divisor of the shard group's size: after forward each rank keeps 1/N of the unit,
+        gathered back in backward within its N consecutive ranks ([Note: Resharding to a smaller
+        group] in impl/_handle.py); 1 means False, the group's size True.
     mp_policy: parameter (compute) and gradient-reduction dtypes; master weights keep theirs.
     offload_policy: OffloadPolicy() keeps the shards where they are (the default); CPUOffloadPolicy()
         keeps them on the CPU, all-gathered onto its compute device for compute.
@@ -255,10 +259,9 @@ def fully_shard(
     for member in members:
         if "_fsdp_unit" in member.__dict__:
             raise ValueError(f"fully_shard({what}): {type(member).__name__} is already wrapped")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"fully_shard({what}): reshard_after_forward={reshard_after_forward!r}: impl reshards "
-            f"to the whole shard group only; pass True, False or None")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise ValueError(f"fully_shard({what}): reshard_after_forward={reshard_after_forward!r}: pass None, a bool, "
+                         f"or an int (the group size to reshard to after forward)")
     for member in members:
         taken = [fqn or "<self>" for fqn, sub in _unwrapped_modules(member) if _OWNED_BY_ATTR in sub.__dict__]
         if taken:
@@ -282,12 +285,23 @@ def fully_shard(
     process_group, replicate_group = _drop_trivial(process_group), _drop_trivial(replicate_group)
     shard_rank, shard_world_size = group_rank_and_size(process_group)
     _, replicate_world_size = group_rank_and_size(replicate_group)
+    post_forward_group, post_forward_size = None, 0
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        n = reshard_after_forward
+        if n < 1 or shard_world_size % n:
+            raise ValueError(f"fully_shard({what}): reshard_after_forward={n}: an int is the group size to reshard "
+                             f"to after forward, a divisor of the shard group's size {shard_world_size}")
+        if 1 < n < shard_world_size:  # [Note: Resharding to a smaller group]
+            post_forward_group = _post_forward_group(mesh, process_group, replicate_group, n, shard_rank, what)
+            post_forward_size = n
+        reshard_after_forward = n > 1  # 1: keep the parameters (FSDP2 warns and does so); S: True
 
     owners, params = _collect_params(members, seams, what)
     seams.wrapped_buffers([b for member in members for _, sub in _unwrapped_modules(member)
                            for b in sub.buffers(recurse=False)])
     comm = CommConfig(
-        groups=ShardGroups(process_group, replicate_group, shard_rank, shard_world_size, replicate_world_size),
+        groups=ShardGroups(process_group, replicate_group, shard_rank, shard_world_size, replicate_world_size,
+                           post_forward_group, post_forward_size),
         precision=Precision(mp_policy.param_dtype, mp_policy.reduce_dtype),
         stats=comm_stats,
         compute_device=offload_policy.resolved_device() if isinstance(offload_policy, CPUOffloadPolicy) else None,
@@ -327,6 +341,35 @@ def fully_shard(
         if all(sub is not member for member in members):
             sub.register_forward_pre_hook(unit.owner_pre_forward)
     return module
+
+
+_POST_FORWARD_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}  # made once per set of ranks
+
+
+def _post_forward_group(mesh, process_group, replicate_group, n: int, shard_rank: int, what: str) -> dist.ProcessGroup:
+    """This rank's group of `n` consecutive ranks of its shard group ([Note: Resharding to a smaller
+    group]): every group is made on every rank, in one order, as torch.distributed requires."""
+    if mesh is not None:
+        rows = mesh.mesh.reshape(-1, n).tolist()
+    elif replicate_group is None and process_group is not None and sorted(
+            dist.get_process_group_ranks(process_group)) == list(range(dist.get_world_size())):
+        ranks = dist.get_process_group_ranks(process_group)
+        rows = [ranks[i:i + n] for i in range(0, len(ranks), n)]
+    else:
+        raise NotImplementedError(
+            f"fully_shard({what}): reshard_after_forward={n} with a shard group that is not the whole world: pass "
+            f"a DeviceMesh (its ranks give every rank the same groups to make)")
+    mine = None
+    for row in rows:
+        key = tuple(row)
+        if key not in _POST_FORWARD_GROUPS:
+            _POST_FORWARD_GROUPS[key] = dist.new_group(list(row))
+        if dist.get_rank() in row:
+            mine = _POST_FORWARD_GROUPS[key]
+    if mine is None or dist.get_rank(mine) != shard_rank % n:
+        raise NotImplementedError(f"fully_shard({what}): reshard_after_forward={n}: the shard group's ranks are not "
+                                  f"consecutive in the mesh, so a group of {n} would not hold every chunk")
+    return mine
 
 
 def _group_members(module: nn.Module | list[nn.Module]) -> list[nn.Module]:

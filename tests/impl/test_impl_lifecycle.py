@@ -154,9 +154,14 @@ def test_the_root_reshards_after_forward_by_fsdp2s_rule(configured, root_after_f
         assert torch.equal(grads[name].grad.reshape(-1), p.grad.reshape(-1)), name
 
 
-def test_resharding_to_a_smaller_group_is_refused():
-    with pytest.raises(NotImplementedError, match="reshard_after_forward=2: impl reshards to the whole shard group"):
+def test_an_int_reshard_after_forward_must_divide_the_shard_group():
+    """W = 1: 2 divides no group of one rank (refused, naming the size); 1 keeps the parameters (False);
+    a float is refused. At W = 4: tests/impl/test_impl_multirank.py::test_resharding_to_a_smaller_group_after_forward."""
+    with pytest.raises(ValueError, match=r"reshard_after_forward=2: an int is the group size .* size 1"):
         fully_shard(nn.Linear(4, 4), reshard_after_forward=2)
+    assert fully_shard(nn.Linear(4, 4), reshard_after_forward=1).fsdp_unit().reshard_after_forward is False
+    with pytest.raises(ValueError, match="pass None, a bool, or an int"):
+        fully_shard(nn.Linear(4, 4), reshard_after_forward=0.5)
 
 
 def test_offload_policies_mean_what_fsdp2s_do():

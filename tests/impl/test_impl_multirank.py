@@ -121,3 +121,15 @@ def test_module_groups_gather_as_fsdp2(tmp_path):
             assert len(run["names"]) == 26 and run["worst_relative"] <= 1e-6, run
             assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(run["losses"]["impl"], run["losses"]["fsdp2"])), run
         assert rank["round_trip_bitwise"] and rank["next_grads_bitwise"], rank
+
+
+@pytest.mark.slow
+def test_resharding_to_a_smaller_group_after_forward(tmp_path):
+    """tests/rank_scripts/impl_reshard_smaller_group.py at W = 4 with reshard_after_forward=2: every
+    unit holds half of its unsharded buffer between forward and backward, forward gathers over the 4
+    ranks and backward over groups of 2 (as many all-gathers as torch FSDP2 with the same int), and
+    the losses and gradients are reshard_after_forward=True's, bitwise."""
+    for rank in run_rank_script("impl_reshard_smaller_group.py", 4, tmp_path):
+        assert rank["gather_sizes"] == {"2": 6, "4": 6} and rank["fsdp2_gathers"] == 12, rank
+        assert rank["held_after_forward"] == [[0.5], [0.5]], rank
+        assert rank["losses_bitwise"] and rank["grads_bitwise"], rank
