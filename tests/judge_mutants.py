@@ -124,7 +124,7 @@ MUTANTS = (
            (("        if o.failing is not None:\n            out.append(Violation(kind, dev.step, \"trajectory\"",
              "        if False:\n            out.append(Violation(kind, dev.step, \"trajectory\""),), (_DRIFT,)),
     Mutant("nan_comparison_flipped", "`not (diff <= tol)` written `diff > tol` (NaN passes)", "harness/judge/segments.py",
-           (("bad = ~(diff <= tol)", "bad = diff > tol"), ("failed = ~(diff <= tol)", "failed = diff > tol"))),
+           (("bad = ~(diff <= tol)", "bad = diff > tol"), ("(~(diff <= tol) & (tol == 0))", "((diff > tol) & (tol == 0))"))),
     Mutant("error_ignored", "a result with an error but no violation passes (Judgement, the baseline check)",
            "harness/judge/result.py",
            (("return Verdict.ERROR if error is not None else Verdict.FAIL if violations else Verdict.PASS",
