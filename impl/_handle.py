@@ -206,7 +206,10 @@ class FlatParamHandle:
         self._owner_slots = [(module, attr, i) for i, owners in enumerate(slot_owners) for module, attr in owners]
         self._slot_grads: list[torch.Tensor | None] = []  # unsharded gradient per slot, until reduced
         self._num_views_pending = 0  # gradient-tracking views handed out since the last reduce
-        self._num_views_done = 0
+        # The views whose gradient arrived, by identity: a view gets one per backward it takes part
+        # in, and a forward followed by several backwards through parts of it (a chunked loss
+        # calling the head alone) must not count one view twice and free what another still needs.
+        self._views_done: set[int] = set()
         self._pending: tuple | None = None  # (work, input) of an all-gather in flight
         # [Note: Resharding to a smaller group]: this rank's N-th of the unsharded buffer, from
         # the post-forward reshard until backward gathers it back.
@@ -497,8 +500,8 @@ class FlatParamHandle:
             kept.add_(grad)
         del grad, kept  # freed before the reduce-scatter allocates
         self.reduce_due = True
-        self._num_views_done += 1
-        if self._num_views_done == self._num_views_pending:
+        self._views_done.add(id(view))
+        if len(self._views_done) == self._num_views_pending:
             self.finish_backward()
             if self.comm.seams.reduce_at_last_gradient(False):
                 self.reduce_gradients()
@@ -514,7 +517,8 @@ class FlatParamHandle:
         reduce-scatter allocates: [Note: Overlapped gradient reduction]) and, for views some of
         which got no gradient on this rank, when the unit's reduction is due. Idempotent."""
         self._views = []  # the next forward hands out fresh leaves
-        self._num_views_pending = self._num_views_done = 0
+        self._num_views_pending = 0
+        self._views_done = set()
         self.recomputing = self.release_checked = False
         if self.reshard_after_backward:
             self.reshard()
@@ -532,7 +536,8 @@ class FlatParamHandle:
         self.drop_post_forward()
         self._slot_grads = []
         self._views = []
-        self._num_views_pending = self._num_views_done = 0
+        self._num_views_pending = 0
+        self._views_done = set()
         self.recomputing = self.release_checked = False
         self.reduce_due = False
         self.partial_reduced = None
