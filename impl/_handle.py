@@ -465,6 +465,14 @@ class FlatParamHandle:
         # +1 per view for its AccumulateGrad node while the graph lives; more is a saved view.
         return any(v._use_count() > idle + 1 for v, idle in zip(self._views, idle_view_refs))
 
+    def graph_holds_views(self) -> bool:
+        """Whether views handed out for gradients are still saved by a graph no backward has run
+        ([Note: Backwards through part of the model] in impl/_unit.py): known only where the views
+        were made right after a fresh gather (else False: the unit is finished as before)."""
+        if not (self._views and self._views_track) or self._aliased or self._idle_refs is None:
+            return False
+        return self._params_still_saved()
+
     def reshard(self, *, for_backward_regather: bool = False) -> None:
         """Free the unsharded storage; views keep their (now empty) storage until re-gathered."""
         if self._pending is not None:

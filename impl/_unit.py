@@ -45,6 +45,16 @@ pass open: the root's post-forward ends it on the root's output, and the end of 
 what is left. Names of a group's parameters are each relative to their member (the handle's
 `slot_members`), so code that names parameters goes through `units_with_prefixes`, which meets
 each unit once with every member's prefix.
+
+[Note: Backwards through part of the model]
+A chunked loss may backpropagate each chunk through the head alone (`head(chunk).sum().backward()`)
+before the hidden state's own backward through the rest. The end of such a backward must not
+finish the units it did not reach whose forward's graph is still alive (their views saved by it,
+`FlatParamHandle.graph_holds_views`, the storage counts of [Note: Releasing unsharded parameters]):
+finishing them forgets their views and frees their parameters, which the later backward then reads
+(autograd's "data is not allocated", or a crash). Such a unit waits, views and state kept, for the
+backward that reaches it. A unit whose graph is gone (its output unused, on every rank alike) is
+finished and reduced as before, so the collectives stay in step.
 """
 
 from __future__ import annotations
@@ -107,6 +117,7 @@ class FSDPUnit:
         # pre-forward to the last member's post-forward.
         self.members = list(members) if members else [module]
         self._to_run: set[int] = set()  # ids of the members yet to run in this forward's pass
+        self._backward_began = False  # its pre-backward ran in the backward under way
         self.handles = handles
         self.reshard_after_forward = reshard_after_forward  # as configured: None, True or False
         self.cast_inputs_to = cast_inputs_to
@@ -190,10 +201,15 @@ class FSDPUnit:
 
     def _finalize_backward(self) -> None:
         for unit in self._latest_forward_first(self.all_units):
-            for handle in unit.handles:
-                handle.reduce_gradients()  # every unit still due, some of whose views got no gradient here
+            # [Note: Backwards through part of the model]: a unit this backward did not reach whose
+            # forward's graph still holds its parameters waits for a backward of its own.
+            waits = not unit._backward_began and any(h.graph_holds_views() for h in unit.handles)
+            if not waits:
+                for handle in unit.handles:
+                    handle.reduce_gradients()  # every unit still due, some of whose views got no gradient here
+                unit._to_run.clear()
             unit._enter(TrainingState.IDLE)
-            unit._to_run.clear()
+            unit._backward_began = False
         if self.is_last_backward:
             self.reducer.wait()  # every .grad complete before backward returns
         self._finalize_queued = False
@@ -316,6 +332,7 @@ class FSDPUnit:
             self._to_run.clear()
             self._enter(TrainingState.IDLE)
         self._enter(TrainingState.PRE_BACKWARD)
+        self._backward_began = True
         for handle in self.handles:
             handle.unshard()
         _prefetch(self.backward_prefetch, self._next_in_backward)

@@ -170,14 +170,14 @@ def main() -> int:
         grads.append(impl.full_grad_dict(model))
     result["next_grads_bitwise"] = set(grads[0]) == set(grads[1]) and all(
         torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
-    # A backward through the grouped head alone per chunk, then the rest: the gradients of one
-    # backward. (A head wrapped on its own is not supported so: its backward ends the iteration,
-    # docs/impl.md.)
-    one, per_chunk = chunked_loss_grads(False, True), chunked_loss_grads(True, True)
-    result["chunked_grouped"] = {
-        "names": sorted(per_chunk) == sorted(one) and len(one) == 5,
-        "worst_relative": max(float((per_chunk[n] - one[n]).abs().max() / one[n].abs().max().clamp(min=1e-30))
-                              for n in one)}
+    # A backward through the head alone per chunk (grouped with the norm, or a unit of its own),
+    # then the rest: the gradients of one backward.
+    for grouped in (True, False):
+        one, per_chunk = chunked_loss_grads(False, grouped), chunked_loss_grads(True, grouped)
+        result[f"chunked_{'grouped' if grouped else 'separate'}"] = {
+            "names": sorted(per_chunk) == sorted(one) and len(one) == 5,
+            "worst_relative": max(float((per_chunk[n] - one[n]).abs().max() / one[n].abs().max().clamp(min=1e-30))
+                                  for n in one)}
     with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
         json.dump(result, f)
     rank_epilogue()
