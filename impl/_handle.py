@@ -388,18 +388,16 @@ class FlatParamHandle:
                 storage.resize_(nbytes)
             del storage
             self._refs_before_gather = _storage_refs(leaf) if fresh else None
+            group = self.comm.groups.shard_group
             if self._post_forward is not None:  # [Note: Resharding to a smaller group]
                 sharded, self._post_forward = self._post_forward, None
-                work = all_gather_into(leaf.data, sharded, self.comm.groups.post_forward_group, self.comm.stats,
-                                       async_op)
-                self._pending = (work, sharded)
-                if not (async_op and work is not None):
-                    self._finish_unshard()
-                return
-            sharded = self.sharded.detach()
-            if sharded.dtype != leaf.dtype or sharded.device != leaf.device:
-                sharded = self.comm.seams.cast_for_gather(sharded.to(device=leaf.device, dtype=leaf.dtype), self.sharded)
-            work = all_gather_into(leaf.data, sharded, self.comm.groups.shard_group, self.comm.stats, async_op)
+                group = self.comm.groups.post_forward_group
+            else:
+                sharded = self.sharded.detach()
+                if sharded.dtype != leaf.dtype or sharded.device != leaf.device:
+                    sharded = self.comm.seams.cast_for_gather(sharded.to(device=leaf.device, dtype=leaf.dtype),
+                                                              self.sharded)
+            work = all_gather_into(leaf.data, sharded, group, self.comm.stats, async_op)
         self._pending = (work, sharded)  # keeps the input alive until the gather completes
         if not (async_op and work is not None):
             self._finish_unshard()
