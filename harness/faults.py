@@ -133,6 +133,10 @@ CATALOG: tuple[Fault, ...] = (
           'backward), a moment ranks that give different parameters a gradient do not share: their collectives '
           'fall out of step',
           needs="a parameter one rank's batch gives a gradient and another's does not (split data)"),
+    Fault('rank_index_in_6_bits', 'impl',
+          "the all-gather writes rank r's shard at block r mod 64 (a rank index kept in 6 bits): the blocks of "
+          'ranks 64.. overwrite those of ranks 0.., exact up to 64 ranks',
+          needs='more than 64 ranks in a shard group (--backend simulated)'),
     Fault('dist_scale_1e-5', 'collective',
           "every gradient reduction's result (sum or average of floats) is scaled by (1 + 1e-5)"),
     Fault('dist_drop_last_rank', 'collective',

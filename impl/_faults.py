@@ -148,6 +148,23 @@ class _AllGatherRankOrder(_Planted):
         return out.copy_(torch.cat(list(reversed(out.chunk(shard_world_size)))))
 
 
+class _RankIndexIn6Bits(_Planted):
+    """The all-gather writes rank r's shard at block r mod 64, as a rank index kept in 6 bits would:
+    with more than 64 ranks the blocks of ranks 64.. overwrite those of ranks 0.. and their own
+    blocks stay zero. Honest at every world size up to 64."""
+
+    BITS = 6
+
+    def gathered(self, out, shard_world_size: int):
+        if shard_world_size <= 1 << self.BITS:
+            return out
+        blocks = out.view(shard_world_size, -1)
+        for r in range(1 << self.BITS, shard_world_size):
+            blocks[r % (1 << self.BITS)].copy_(blocks[r])
+            blocks[r].zero_()
+        return out
+
+
 class _LastRank(_Planted):
     """A fault that acts on the last rank of the shard group only."""
 
@@ -292,6 +309,7 @@ SEAMS: dict[str, Callable[[], Seams]] = {
     "grad_predivide_param_dtype": _PredivideInParamDtype,
     "grad_scale_from_step_6": _ScaleFromStep6,
     "reduce_at_last_gradient": _answering("reduce_at_last_gradient", True),
+    "rank_index_in_6_bits": _RankIndexIn6Bits,
 }
 # The faults impl/ can plant, by name (what each plants: the harness's fault catalog, harness/faults.py).
 FAULTS: tuple[str, ...] = tuple(SEAMS)

@@ -582,16 +582,16 @@ class FlatParamHandle:
         rows[:, shard_numel:] = torch.tensor([g is not None for g in slot_grads], dtype=rows.dtype, device=device)
         body = rows[:, :shard_numel]
         for start, end in layout.padding_intervals():
-            for r, lo, hi, _ in _row_pieces(shard_numel, start, end):
-                body[r, lo:hi].zero_()
+            for r0, r1, lo, hi, _ in _row_blocks(shard_numel, start, end):
+                body[r0:r1, lo:hi].zero_()
         for i, slot in enumerate(layout.slots):
             grad, slot_grads[i] = slot_grads[i], None
             flat = None if grad is None else grad.reshape(-1)
-            for r, lo, hi, at in _row_pieces(shard_numel, slot.offset, slot.end):
+            for r0, r1, lo, hi, at in _row_blocks(shard_numel, slot.offset, slot.end):
                 if flat is None:
-                    body[r, lo:hi].zero_()
+                    body[r0:r1, lo:hi].zero_()
                 else:
-                    body[r, lo:hi].copy_(flat[at:at + hi - lo])
+                    body[r0:r1, lo:hi].copy_(flat[at:at + (r1 - r0) * (hi - lo)].view(r1 - r0, hi - lo))
             del grad, flat
         return rows.view(-1)
 
@@ -761,15 +761,22 @@ def _storage_refs(tensor: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
-def _row_pieces(row_numel: int, start: int, end: int):
-    """(row, start in row, end in row, offset from `start`) of each row of a (W, row_numel) view
-    of a padded buffer that [start, end) of the buffer touches."""
+def _row_blocks(row_numel: int, start: int, end: int):
+    """(first row, row after the last, start in row, end in row, offset from `start`) of the blocks
+    of a (W, row_numel) view of a padded buffer that [start, end) of the buffer touches: a partial
+    first row, the whole rows after it as one block, a partial last row. A parameter spanning many
+    ranks' rows (W above its numel: shards of one element) costs three copies, not one per rank."""
     at = start
     while at < end:
         row, lo = divmod(at, row_numel)
-        hi = min(row_numel, lo + end - at)
-        yield row, lo, hi, at - start
-        at += hi - lo
+        if lo == 0 and end - at >= row_numel:
+            rows = (end - at) // row_numel
+            yield row, row + rows, 0, row_numel, at - start
+            at += rows * row_numel
+        else:
+            hi = min(row_numel, lo + end - at)
+            yield row, row + 1, lo, hi, at - start
+            at += hi - lo
 
 
 def _is_slice(t: torch.Tensor, flat: torch.Tensor, start: int) -> bool:

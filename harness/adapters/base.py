@@ -180,6 +180,11 @@ class Adapter:
     # feature is on are held to them ([Note: Contracts]). None by default: an adapter whose
     # collectives the seam cannot see, or that reduces on a schedule of its own, declares none.
     contracts: ClassVar[frozenset[str]] = frozenset()
+    # True: runs on simulated ranks (`--backend simulated`, harness/run/simulated.py), whose process
+    # groups implement torch.distributed's Python collectives only. An implementation that reaches
+    # a group from C++ (DDP's reducer, DTensor's functional collectives: torch FSDP2, FSDP1, DeepSpeed)
+    # needs real ranks.
+    simulated_ranks: ClassVar[bool] = False
 
     # -- required ---------------------------------------------------------------------------------
 

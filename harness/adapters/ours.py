@@ -18,6 +18,7 @@ class Ours(Adapter):
     contracts = frozenset({"gradient_sync_off", "no_gather_in_backward", "unsharded", "shard_group", "sharded_state"})
     refuses_cross_unit_ties = True  # tied parameters across units raise at fully_shard
     reshards_checkpoints = True
+    simulated_ranks = True  # impl/_collectives.py: torch.distributed's Python collectives only
 
     def unsupported(self, features: Features) -> str | None:
         return None

@@ -12,6 +12,7 @@ from harness.adapters.features import CastCompute
 class Single(Adapter):
     name = "single"
     needs_process_group = False
+    simulated_ranks = True  # no collectives at all
 
     def unsupported(self, features: Features) -> str | None:
         return None

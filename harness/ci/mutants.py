@@ -67,6 +67,8 @@ ACTS_ON = {
     "grad_scale_from_step_6": lambda case, features: GATE_STEPS >= 6,
     # dividing by a power of two is exact in any dtype
     "grad_predivide_param_dtype": lambda case, features: any(w & (w - 1) for w in GATE_WORLD_SIZES),
+    # the gate runs real ranks, at most 16 (`run --backend simulated --world-sizes 128` shows it)
+    "rank_index_in_6_bits": lambda case, features: max(GATE_WORLD_SIZES) > 64,
 }
 # The needs answered by building the model (a case missing a package cannot say).
 _BUILDS_THE_MODEL = ("tied_param_duplicated", "buffers_zeroed_at_wrap", "unused_params_stepped", "reduce_at_last_gradient")

@@ -65,6 +65,8 @@ def environment(backend: str, device: str, threads: int) -> dict:
         "gpu": key["gpu"],
         "gpus_visible": torch.cuda.device_count() if device == "cuda" and torch.cuda.is_available() else 0,
         "backend": backend,
+        # Simulated ranks are threads of one process ([Note: Simulated ranks]): every report says so.
+        "ranks": "simulated (threads of one process)" if backend == "simulated" else "processes",
         "device": device,
         "threads_per_rank": threads,
         "python": platform.python_version(),
@@ -79,3 +81,8 @@ def environment(backend: str, device: str, threads: int) -> dict:
 def plan_environment(plan) -> dict:
     """`environment` of a RunPlan (the backend, device and threads every rank of it ran with)."""
     return environment(plan.backend, plan.device, plan.threads)
+
+
+def ranks_label(env: dict) -> str:
+    """" (simulated ranks)" for a run whose ranks were simulated, for a report's verdict line."""
+    return " (simulated ranks)" if env.get("backend") == "simulated" else ""

@@ -18,6 +18,7 @@ import jinja2
 from harness.judge.checks import CHECK_ORDER
 from harness.judge.result import Verdict
 from harness.report.plots import loss_figure, trajectory_figure
+from harness.report.environment import ranks_label
 from harness.report.build import Report, fmt_value, error_model_rows, step_rows
 from harness.report.view import (case_views, cell_label, check_detail, check_margins, margin_class, margin_text,
                                  skipped_groups, verdict_counts, worst_judged)
@@ -165,7 +166,7 @@ def render_html(report: Report) -> str:
     views = case_views(report)
     headers, tolerance_rows = _tolerances(report)
     context = {
-        "verdict": report.verdict, "run_id": report.run_id, "command": report.command, "wall_s": report.wall_s,
+        "verdict": report.verdict, "ranks_label": ranks_label(report.environment), "run_id": report.run_id, "command": report.command, "wall_s": report.wall_s,
         "counts": verdict_counts(report), "num_cells": len(report.cells), "num_skipped": len(report.skipped),
         "env_line": _env_line(report.environment), "environment": report.environment,
         "failures": _failures(report), "grids": _grids(report),

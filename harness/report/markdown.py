@@ -7,6 +7,7 @@ import pandas as pd
 from harness.judge.checks import JUDGED
 from harness.judge.result import Verdict
 from harness.report.build import Report, bias_note, fmt_value, cell_row, error_model_rows, first_check
+from harness.report.environment import ranks_label
 from harness.report.view import case_views, cell_label, margin_text, skipped_groups, verdict_counts
 from harness.reference.tolerance import TRAJECTORY_FACTOR
 
@@ -55,7 +56,7 @@ def render_markdown(report: Report) -> str:
     counts = verdict_counts(report)
     env = report.environment
     out = ["# FSDP equivalence report\n",
-           f"**Verdict: {report.verdict.upper()}** ({len(report.cells)} cells: {counts['pass']} pass, "
+           f"**Verdict: {report.verdict.upper()}{ranks_label(env)}** ({len(report.cells)} cells: {counts['pass']} pass, "
            f"{counts['fail']} fail, {counts['error']} error, {len(report.skipped)} skipped; wall time "
            f"{report.wall_s:.0f}s)\n",
            f"Command: `{report.command}`\n",

@@ -16,7 +16,10 @@ reduce-scatters issued at all. The contracts (harness/judge/contracts.py) hold t
 features to them.
 
 Counting changes nothing: each wrapper calls torch's own method with the same arguments and
-returns its result. Collectives issued from C++ (DDP's reducer, functional collectives) are not
+returns its result. The wrappers, installed at a rank's first counted step, stay: each reports to
+the ledger counting on the calling thread (`_counting`), if any, so the W simulated ranks of one
+process (harness/run/simulated.py, whose groups implement the same methods in Python, wrapped alike)
+each count their own collectives. Collectives issued from C++ (DDP's reducer, functional collectives) are not
 seen, as collective faults do not see them: an adapter declares the contracts it keeps
 (Adapter.contracts), and one whose collectives the seam cannot see declares none.
 """
@@ -24,6 +27,7 @@ seen, as collective faults do not see them: an adapter declares the contracts it
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -44,8 +48,8 @@ def _reduced_elements(layout: str, args: tuple) -> int:
 
 
 class CollectiveLedger:
-    """Counts one training step's collectives at a time: inside `step()` torch's ProcessGroup
-    methods and torch.autograd.backward count, while a `window()` is open (the adapter's zero_grad,
+    """Counts one training step's collectives at a time: inside `step()` the collectives and
+    backward passes of its thread count, while a `window()` is open (the adapter's zero_grad,
     forward and backward, optimizer step; not the harness's evidence taken between them, nor a
     callback `paused` inside); `taken` holds the step's LedgerStep after."""
 
@@ -100,42 +104,68 @@ class CollectiveLedger:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Count the collectives of the windows opened inside; `taken` holds them after."""
+        """Count the collectives of the windows opened inside, on this thread (a simulated rank's
+        own: harness/run/simulated.py); `taken` holds them after."""
+        install()
         self._reduced, self._gathers_in_backward, self._sharded, self._off_group = [], 0, 0, 0
-        originals = {name: ProcessGroup.__dict__[name] for name in COLLECTIVE_METHODS if name in ProcessGroup.__dict__}
-        backward = torch.autograd.backward
-        ledger = self
-
-        def counted(name: str, original):
-            def collective(group, *args, **kwargs):
-                ledger._record(group, name, args, kwargs)
-                return original(group, *args, **kwargs)
-
-            collective.__name__ = name
-            return collective
-
-        def backward_pass(*args, **kwargs):
-            # outside a window, or a nested call (a recomputation's own backward): not a new pass
-            if not ledger._open or ledger._in_backward:
-                return backward(*args, **kwargs)
-            ledger._reduced.append(0)
-            ledger._in_backward = True
-            try:
-                return backward(*args, **kwargs)
-            finally:
-                ledger._in_backward = False
-
-        for name in originals:
-            setattr(ProcessGroup, name, counted(name, getattr(ProcessGroup, name)))
-        torch.autograd.backward = backward_pass
+        outer = getattr(_counting, "ledger", None)
+        _counting.ledger = self
         try:
             yield
         finally:
-            torch.autograd.backward = backward
-            for name, original in originals.items():
-                setattr(ProcessGroup, name, original)
+            _counting.ledger = outer
         self.taken = LedgerStep(len(self._reduced), max(self._reduced[:-1], default=0), self._gathers_in_backward,
                                 self._sharded, sharded_off_group=self._off_group)
+
+    def _backward(self, backward, args, kwargs):
+        # outside a window, or a nested call (a recomputation's own backward): not a new pass
+        if not self._open or self._in_backward:
+            return backward(*args, **kwargs)
+        self._reduced.append(0)
+        self._in_backward = True
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            self._in_backward = False
+
+
+# The ledger counting on this thread, if any: a rank's own (one per thread of a simulated launch).
+_counting = threading.local()
+
+
+def _counted(name: str, original):
+    def collective(group, *args, **kwargs):
+        ledger = getattr(_counting, "ledger", None)
+        if ledger is not None:
+            ledger._record(group, name, args, kwargs)
+        return original(group, *args, **kwargs)
+
+    collective.__name__ = name
+    collective._counts_for_ledger = True
+    return collective
+
+
+def install() -> None:
+    """The counting wrappers on torch's ProcessGroup methods, on the simulated group's (which
+    implement them in Python: harness/run/simulated.py) and on torch.autograd.backward, where they
+    are not already: each reports to the calling thread's counting ledger, if any, then calls what
+    it wraps with the same arguments. Called at every ledger step: a seam that put torch's own
+    methods back (harness/run/dist_faults.py after its cell) gets them wrapped again."""
+    from harness.run.simulated import SimulatedGroup
+
+    for cls in (ProcessGroup, SimulatedGroup):
+        for name in COLLECTIVE_METHODS:
+            if name in cls.__dict__ and not getattr(cls.__dict__[name], "_counts_for_ledger", False):
+                setattr(cls, name, _counted(name, getattr(cls, name)))
+    if not getattr(torch.autograd.backward, "_counts_for_ledger", False):
+        backward = torch.autograd.backward
+
+        def backward_pass(*args, **kwargs):
+            ledger = getattr(_counting, "ledger", None)
+            return backward(*args, **kwargs) if ledger is None else ledger._backward(backward, args, kwargs)
+
+        backward_pass._counts_for_ledger = True
+        torch.autograd.backward = backward_pass
 
 
 def window(ledger: CollectiveLedger | None) -> contextlib.AbstractContextManager:

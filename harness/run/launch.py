@@ -72,8 +72,13 @@ class TorchrunSpec:
     # harness/run/prefork.py) instead of started by torchrun's command line, each importing torch.
     prefork: bool = False
     nodes: NodeLaunch | None = None  # None: every rank on this host
+    # W simulated ranks as threads of one process instead of W processes ([Note: A simulated
+    # launch] in harness/run/simulated.py); its logs and outcome read as a torchrun's.
+    simulated: bool = False
 
     def __post_init__(self) -> None:
+        if self.simulated and (self.nodes is not None or self.prefork):
+            raise ValueError("a simulated launch runs in one process on this host: no nodes, no fork server")
         if self.nodes is not None and self.world_size % self.nodes.count:
             raise ValueError(f"TorchrunSpec world_size={self.world_size} does not split over {self.nodes.count} nodes")
         if self.world_size < 1 or self.threads < 1:
@@ -101,7 +106,10 @@ class Launch:
         spec = self.spec
         self.log_dir.mkdir(parents=True, exist_ok=True)
         nodes = spec.nodes
-        if nodes is None:
+        if spec.simulated:
+            where = [sys.executable, "-m", "harness.run.simulated", f"--world-size={spec.world_size}",
+                     f"--log-dir={self.log_dir / 'ranks'}"]
+        elif nodes is None:
             where = [sys.executable, "-m", "harness.run.prefork" if spec.prefork else "torch.distributed.run",
                      "--nnodes=1", f"--nproc-per-node={spec.world_size}",
                      "--master-addr=127.0.0.1", f"--master-port={_free_port()}"]
@@ -109,7 +117,8 @@ class Launch:
             where = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes.count}",
                      f"--nproc-per-node={spec.world_size // nodes.count}", "--rdzv-backend=c10d",
                      f"--rdzv-endpoint={nodes.endpoint}", f"--rdzv-id={nodes.rdzv_id}", "--max-restarts=0"]
-        cmd = [*where, f"--log-dir={self.log_dir / 'ranks'}", "--redirects=3", "-m", spec.module, *spec.args]
+        cmd = [*where, *(() if spec.simulated else (f"--log-dir={self.log_dir / 'ranks'}", "--redirects=3")),
+               "-m", spec.module, *spec.args]
         self._launcher_log = open(self.log_dir / "torchrun.log", "wb")
         self.started_at = time.monotonic()
         # torchrun in a session of its own (the group kill), dying with this process (SIGKILL included).
@@ -241,8 +250,10 @@ def launch(
             "log_dir": str(log_dir.resolve()), "threads": plan.threads, "extra_pythonpath": list(plan.extra_pythonpath),
             "extra_env": [list(kv) for kv in extra_env], "module": "harness.run.worker"})
     timeout_s = max(plan.timeout_for(w) for w in {(plan.world_sizes[0] if c.is_reference else c.world_size) for c in cells})
+    simulated = plan.backend == "simulated"
     spec = TorchrunSpec(world_size, "harness.run.worker", (str(plan_file),), log_dir, timeout_s, plan.threads,
-                        plan.extra_pythonpath, prefork=plan.device == "cpu", extra_env=extra_env, nodes=nodes)
+                        plan.extra_pythonpath, prefork=plan.device == "cpu" and not simulated, extra_env=extra_env,
+                        nodes=nodes, simulated=simulated)
     lost: list[int] = []
     if nodes is not None:
         started = time.monotonic()

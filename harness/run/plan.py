@@ -31,6 +31,9 @@ DEFAULT_DATA_MODES = None  # each case's own `data_modes`
 MAX_STEPS = 1000
 # Every rank is a process that imports torch (about 0.4 GB each) on this one host.
 MAX_CPU_WORLD_SIZE = 16
+# Simulated ranks are threads of one process ([Note: Simulated ranks], harness/run/simulated.py).
+MAX_SIMULATED_WORLD_SIZE = 1024
+BACKENDS = ("gloo", "nccl", "simulated")
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ class RunPlan:
     extra_pythonpath: tuple[str, ...] = field(default_factory=tuple)
     skipped: tuple[tuple[Cell, str], ...] = ()  # cells that cannot run here, with the reason
     notes: tuple[str, ...] = ()  # what the plan could not check (printed before the run)
-    backend: str = "gloo"  # gloo (CPU) or nccl (one rank per GPU)
+    backend: str = "gloo"  # gloo (CPU), nccl (one rank per GPU) or simulated (ranks as threads)
     device: str = "cpu"
     # The cases whose cells their own rank 0 judges ([Note: Judged where the evidence lives] in
     # harness/run/judged.py); the others write snapshots that the parent judges.
@@ -181,10 +184,16 @@ def parse_world_sizes(value: str, flag: str = "world-sizes") -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def check_world_size(size: int, flag: str, device: str = "cpu") -> None:
+def check_world_size(size: int, flag: str, device: str = "cpu", backend: str = "gloo") -> None:
+    if backend == "simulated":
+        if size > MAX_SIMULATED_WORLD_SIZE:
+            raise PlanError(f"{flag}: world_size={size} exceeds {MAX_SIMULATED_WORLD_SIZE}, the most simulated ranks "
+                            f"this harness runs")
+        return
     if device == "cpu" and size > MAX_CPU_WORLD_SIZE:
         raise PlanError(f"{flag}: world_size={size} exceeds {MAX_CPU_WORLD_SIZE}, the most ranks this harness runs "
-                        f"on one CPU host (each rank is a process importing torch); use a smaller world size")
+                        f"on one CPU host (each rank is a process importing torch); use a smaller world size, or "
+                        f"--backend simulated (up to {MAX_SIMULATED_WORLD_SIZE} ranks as threads of one process)")
 
 
 def check_nodes(nodes: Nodes, world_sizes: tuple[int, ...], launch_per_cell: bool) -> None:
@@ -306,7 +315,7 @@ def build_plan(request: RunRequest | None = None, **fields) -> RunPlan:
     for w in world_sizes:
         if w < 1:
             raise PlanError(f"world_size={w} must be >= 1")
-        check_world_size(w, "--world-sizes", device)
+        check_world_size(w, "--world-sizes", device, backend)
     if steps is not None and not 1 <= steps <= MAX_STEPS:
         raise PlanError(f"--steps={steps} must be between 1 and {MAX_STEPS} (every step's full parameters, gradients "
                         f"and shadow state are kept as evidence)")
@@ -315,6 +324,8 @@ def build_plan(request: RunRequest | None = None, **fields) -> RunPlan:
     if threads < 1:
         raise PlanError(f"threads={threads} must be >= 1")
     check_backend(backend, device, world_sizes)
+    if backend == "simulated" and nodes.many:
+        raise PlanError("--backend simulated runs every rank in one process on this host; drop --nnodes")
     labels: dict[str, str] = {}
     adapters = {}
     for impl in impls:
@@ -339,9 +350,13 @@ def build_plan(request: RunRequest | None = None, **fields) -> RunPlan:
         if impl.split(":")[0].endswith(".py"):
             extra_paths.append(str(Path(impl.split(":")[0]).resolve().parent))
     if faults or fault_copies:
-        from harness.faults import check_faults
+        from harness.faults import check_faults, split_faults
 
         check_faults(faults + fault_copies, impls)
+        collective = sorted(split_faults(faults + fault_copies)[1])
+        if backend == "simulated" and collective:
+            raise PlanError(f"--faults {collective[0]}: collective faults act at torch's ProcessGroup of real ranks, "
+                            f"not on simulated ones; run them with --backend gloo")
 
     cases, batch_notes = _split_batches(cases, world_sizes, data_modes)
     cells, skipped = [], []
@@ -361,7 +376,7 @@ def build_plan(request: RunRequest | None = None, **fields) -> RunPlan:
                     cell = Cell(case_name, impl, w, mode, steps or case.steps,
                                 faults=_cell_faults(faults, impl, w),
                                 impl_name=adapters[impl].name if ":" in impl else "")
-                    reason = _skip_reason(case, adapters[impl])
+                    reason = _skip_reason(case, adapters[impl], backend)
                     if reason:
                         skipped.append((cell, reason))
                     else:
@@ -475,12 +490,14 @@ def _one_line(e: BaseException) -> str:
 
 def check_backend(backend: str, device: str, world_sizes: tuple[int, ...]) -> None:
     """gloo on CPUs; nccl with one rank per visible GPU of this node."""
-    if backend not in ("gloo", "nccl"):
-        raise PlanError(f"--backend={backend!r} must be gloo or nccl")
+    if backend not in BACKENDS:
+        raise PlanError(f"--backend={backend!r} must be one of {', '.join(BACKENDS)}")
     if device not in ("cpu", "cuda"):
         raise PlanError(f"--device={device!r} must be cpu or cuda")
     if backend == "nccl" and device != "cuda":
         raise PlanError("--backend nccl needs --device cuda (NCCL runs on GPUs)")
+    if backend == "simulated" and device != "cpu":
+        raise PlanError("--backend simulated runs its ranks as threads on the CPU; drop --device cuda")
     if device == "cuda":
         import torch
 
@@ -491,10 +508,14 @@ def check_backend(backend: str, device: str, world_sizes: tuple[int, ...]) -> No
                             f"{visible} visible GPU(s) (CUDA_VISIBLE_DEVICES); use --world-sizes up to {visible}")
 
 
-def _skip_reason(case, adapter) -> str | None:
-    """Why a cell cannot run here (a missing device, a feature the implementation lacks)."""
+def _skip_reason(case, adapter, backend: str = "gloo") -> str | None:
+    """Why a cell cannot run here (a missing device, a feature the implementation lacks, simulated
+    ranks it cannot run on)."""
     from harness.adapters.features import device_available
 
+    if backend == "simulated" and not adapter.simulated_ranks:
+        return (f"impl {adapter.name!r} needs real ranks: simulated ones implement torch.distributed's Python "
+                f"collectives only (Adapter.simulated_ranks)")
     return device_available(case.features) or adapter.unsupported(case.features)
 
 
@@ -508,6 +529,8 @@ def max_teams(plan: RunPlan) -> int:
     ([Note: One launch, every world size], harness/run/orchestrate.py): on GPUs as many as the
     launch's devices hold (every rank has its own); on CPUs as many as the cores keep busy at
     plan.threads each (more would only share the same cores, and hold as many models in memory)."""
+    if plan.backend == "simulated":
+        return 1  # one team: the threads share one process's cores and lock
     if plan.device != "cpu":
         return 1 << 30
     return max(1, usable_cores() // plan.threads)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from harness.adapters.base import Adapter, RankContext, takes_after_clip
 from harness.adapters.local_step import forward_backward
-from harness.run import dist_faults, lifeline
+from harness.run import dist_faults, lifeline, simulated
 from harness.run.collectives import CollectiveLedger, window
 from harness.run.snapshot import digest
 
@@ -33,7 +33,16 @@ T = TypeVar("T")
 
 def rank_prologue(threads: int, backend: str = "gloo", device: str = "cpu",
                   collective_timeout_s: float | None = None) -> RankContext:
-    """This rank's context in the world group, after the steps above."""
+    """This rank's context in the world group, after the steps above. A simulated rank (a thread of
+    a simulated launch, [Note: A simulated launch] in harness/run/simulated.py) only joins its
+    group: its launcher did the rest once for the process."""
+    sim = simulated.current()
+    if sim is not None:
+        if backend != simulated.BACKEND or device != "cpu":
+            raise RuntimeError(f"a simulated rank runs the {simulated.BACKEND!r} backend on the CPU, not "
+                               f"{backend!r} on {device!r}")
+        sim[0].init_rank()
+        return RankContext(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, torch.device("cpu"))
     lifeline.die_with_launch()  # dies with torchrun and with the harness, SIGKILL included
     # A forked rank's command line and /proc environ are its fork server's ([Note: Forked ranks]):
     # its name says which rank it is.

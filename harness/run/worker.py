@@ -32,7 +32,7 @@ from harness.adapters.features import apply_activation_checkpointing
 from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
 from harness.adapters.registry import resolve_impl
 from harness.faults import of_layer
-from harness.run import dist_faults
+from harness.run import dist_faults, simulated
 from harness.judge.diff import PARAM_UNIT_ROUNDOFF, ReferenceComparison, compare_with_reference, trajectory_envelope
 from harness.judge.contracts import active_contracts
 from harness.run.collectives import CollectiveLedger
@@ -665,8 +665,15 @@ def perturbed_runs(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.
 SEGMENT_WAIT = timedelta(hours=24)
 
 
-@functools.cache
 def _launch_store() -> dist.Store:
+    """The launch's store: torchrun's (`_torchrun_store`), or a simulated launch's, which its ranks
+    share in one process (harness/run/simulated.py)."""
+    sim = simulated.current()
+    return sim[0].store if sim is not None else _torchrun_store()
+
+
+@functools.cache
+def _torchrun_store() -> dist.Store:
     """This rank's one client of the launch's own store (torchrun's rendezvous store, on every
     node). One, not one per use: a connection costs the client a reverse lookup of the store's
     address, and where the resolver asks a DNS server that drops some queries (this host's drops
@@ -713,10 +720,12 @@ def _join_world(world: RankContext, world_size: int, segment: int, backend: str,
     if team >= num_teams(world.world_size, world_size, max_teams):
         return None, -1
     rank = world.rank - team * world_size
-    # What a launch of `world_size` ranks would have set (torchrun's variables, read by some engines).
-    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE"):
-        os.environ[var] = str(world_size)
-    os.environ["RANK"] = str(rank)
+    # What a launch of `world_size` ranks would have set (torchrun's variables, read by some engines);
+    # simulated ranks share one process's environment, and run no engine that reads it.
+    if simulated.current() is None:
+        for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE"):
+            os.environ[var] = str(world_size)
+        os.environ["RANK"] = str(rank)
     # init_process_group wraps sys.excepthook to prefix tracebacks with the group's rank; the
     # launch's own group already prefixes them with the launch rank, which the logs are named by.
     hook = sys.excepthook

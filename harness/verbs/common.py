@@ -29,7 +29,9 @@ def add_matrix_args(p: argparse.ArgumentParser, *, cases, impls, world_sizes, da
                         "step and cell of that world size: minutes more for real models)")
     p.add_argument("--out", default=out, help=f"output directory (default {out})")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads in every rank (default 1)")
-    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend (default gloo)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "simulated"),
+                   help="process-group backend (default gloo); simulated: the ranks as threads of one process, "
+                        "up to 1024 of them (impl=ours)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one rank per GPU (default cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--keep-evidence", action="store_true",

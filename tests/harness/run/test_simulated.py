@@ -1,0 +1,185 @@
+"""Simulated ranks ([Note: Simulated ranks], harness/run/simulated.py): W ranks as threads of one
+process. Identical data gives bitwise the evidence of real gloo ranks; sums fold in rank order; a
+failing rank fails the simulation instead of hanging it; W far above a parameter's numel runs."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.run.simulated import simulate
+from tests.support.torchrun_script import RANK_SCRIPTS, run_rank_script
+
+sys.path.insert(0, str(RANK_SCRIPTS))
+import simulated_twin  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4, pytest.param(8, marks=pytest.mark.core)])
+def test_identical_data_gives_the_bits_of_real_gloo_ranks(world_size, tmp_path):
+    real = run_rank_script("simulated_twin.py", world_size, tmp_path)
+    simulated = simulate(world_size, lambda rank: simulated_twin.train())
+    assert len(simulated) == world_size
+    for rank in range(world_size):
+        assert simulated[rank]["losses"] == real[rank]["losses"], f"rank {rank}: losses"
+        assert simulated[rank]["params"] == real[rank]["params"], f"rank {rank}: parameters"
+
+
+def test_split_data_trains_every_replica_the_same():
+    """Distinct terms: the fold's bits are its own (not gloo's ring order), every rank's replica
+    the same (the losses are each rank's own batch's)."""
+    out = simulate(4, lambda rank: simulated_twin.train(split=True))
+    assert all(o["params"] == out[0]["params"] for o in out)
+    assert len({tuple(o["losses"]) for o in out}) == 4
+
+
+def _sum_of(world_size: int, op=dist.ReduceOp.SUM, scatter: bool = False) -> list[torch.Tensor]:
+    def fn(rank):
+        # distinct terms whose sum depends on the order: 1, then tiny ones that vanish only one by one
+        term = torch.tensor([1.0 if rank == 0 else 2.0 ** -24] * world_size)
+        if scatter:
+            out = torch.empty(1)
+            dist.reduce_scatter_tensor(out, term, op=op)
+            return out
+        dist.all_reduce(term, op=op)
+        return term
+    return simulate(world_size, fn)
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_a_sum_folds_left_to_right_in_rank_order(scatter):
+    # ((1 + 2^-24) + 2^-24) + ...: each addition rounds back to 1 (ties to even); a tree that
+    # first adds the small terms together would reach 1 + 2^-22 at W = 5
+    results = _sum_of(5, scatter=scatter)
+    folded = torch.tensor(1.0)
+    for _ in range(4):
+        folded = folded + torch.tensor(2.0 ** -24)
+    assert folded == 1.0
+    for r in results:
+        assert torch.equal(r, torch.full_like(r, 1.0))
+
+
+def test_avg_max_and_the_copies():
+    def fn(rank):
+        w = dist.get_world_size()
+        avg = torch.tensor([float(rank)])
+        dist.all_reduce(avg, op=dist.ReduceOp.AVG)
+        top = torch.tensor([float(rank)])
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        gathered = torch.empty(w)
+        dist.all_gather_into_tensor(gathered, torch.tensor([float(rank)]))
+        b = torch.tensor([float(rank)])
+        dist.broadcast(b, src=w - 1)
+        got = [torch.empty(1) for _ in range(w)] if rank == 0 else None
+        dist.gather(torch.tensor([float(rank * 10)]), got, dst=0)
+        if rank == 1:
+            dist.send(torch.tensor([7.0]), dst=2)
+        received = torch.zeros(1)
+        if rank == 2:
+            dist.recv(received, src=1)
+        return avg.item(), top.item(), gathered.tolist(), b.item(), got and [g.item() for g in got], received.item()
+
+    out = simulate(3, fn)
+    assert [o[0] for o in out] == [1.0] * 3
+    assert [o[1] for o in out] == [2.0] * 3
+    assert all(o[2] == [0.0, 1.0, 2.0] for o in out)
+    assert [o[3] for o in out] == [2.0] * 3
+    assert out[0][4] == [0.0, 10.0, 20.0]
+    assert out[2][5] == 7.0
+
+
+def test_subgroups_meet_only_their_members():
+    def fn(rank):
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        mine = groups[rank // 2]
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=mine)
+        return t.item()
+
+    assert simulate(4, fn) == [1.0, 1.0, 5.0, 5.0]
+
+
+def test_a_failing_rank_fails_the_simulation_naming_it_without_hanging():
+    def fn(rank):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        if rank == 3:
+            raise ValueError("planted failure")
+        dist.all_reduce(t)  # the others wait here for rank 3
+        return t.item()
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"simulated rank 3 of 6 failed: ValueError: planted failure"):
+        simulate(6, fn)
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.slow
+def test_world_sizes_far_above_the_parameters_numel():
+    """W = 256 on an MLP whose biases have 7 to 31 elements: most ranks hold empty shards of every
+    unit; the replicas agree bitwise and the first loss is the plain model's."""
+    out = simulate(256, lambda rank: simulated_twin.train())
+    assert all(o == out[0] for o in out)
+    assert out[0]["losses"][0] == simulate(1, lambda rank: simulated_twin.train())[0]["losses"][0]
+
+
+def test_simulations_run_one_after_another(tmp_path: Path):
+    assert simulate(2, lambda rank: dist.get_world_size()) == [2, 2]
+    assert simulate(3, lambda rank: dist.get_rank()) == [0, 1, 2]
+
+
+# -- `harness run --backend simulated` -------------------------------------------------------------
+
+
+def test_the_plan_refuses_what_simulated_ranks_cannot_run(tmp_path):
+    from harness.errors import PlanError
+    from harness.run.plan import build_plan
+
+    def plan(**kw):
+        return build_plan(**{"cases": ("mlp",), "impls": ("ours",), "world_sizes": (16,), "backend": "simulated",
+                             "out_dir": tmp_path / "run", **kw})
+
+    assert plan().cells and all(c.world_size == 16 for c in plan().cells)
+    with pytest.raises(PlanError, match="threads on the CPU"):
+        plan(device="cuda")
+    with pytest.raises(PlanError, match="exceeds 1024"):
+        plan(world_sizes=(2048,))
+    with pytest.raises(PlanError, match="collective faults act at torch's ProcessGroup of real ranks"):
+        plan(faults=("dist_scale_1e-5",))
+    skipped = plan(impls=("ours", "fsdp2")).skipped
+    assert [(c.impl, "needs real ranks" in why) for c, why in skipped] == [("fsdp2", True)] * len(skipped) != []
+    with pytest.raises(PlanError, match="--backend simulated"):  # real ranks: the message says where to go
+        build_plan(cases=("mlp",), impls=("ours",), world_sizes=(64,), out_dir=tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_a_simulated_run_is_judged_labelled_and_catches_a_fault_of_scale(tmp_path):
+    """The standard mlp at W = 8 and 128 as simulated ranks: honest cells pass with every check, the
+    report says the ranks were simulated; an all-gather that keeps the rank index in 6 bits is exact
+    at W = 8 and fails at W = 128 on the first loss."""
+    from harness.judge.verdict import evaluate
+    from harness.run.orchestrate import run_plan
+    from harness.run.plan import build_plan
+
+    plan = build_plan(cases=("mlp",), impls=("ours",), world_sizes=(8, 128), data_modes=("identical",), steps=2,
+                      backend="simulated", out_dir=tmp_path / "run", fault_copies=("rank_index_in_6_bits",))
+    cells, _, _ = evaluate(plan, run_plan(plan))
+    verdicts = {r.cell.cell_id: str(r.verdict) for r in cells}
+    assert verdicts == {"mlp.ours.w8.identical": "pass", "mlp.ours.w128.identical": "pass",
+                        "mlp.ours.w8.identical.rank_index_in_6_bits": "pass",
+                        "mlp.ours.w128.identical.rank_index_in_6_bits": "fail"}, verdicts
+    failed = next(r for r in cells if str(r.verdict) == "fail")
+    assert (failed.first_divergence.step, failed.first_divergence.check) == (1, "loss")
+
+
+def test_every_report_of_simulated_ranks_says_so():
+    from harness.report.environment import environment, ranks_label
+
+    simulated, real = environment("simulated", "cpu", 1), environment("gloo", "cpu", 1)
+    assert simulated["ranks"].startswith("simulated") and real["ranks"] == "processes"
+    assert ranks_label(simulated) == " (simulated ranks)" and ranks_label(real) == ""
