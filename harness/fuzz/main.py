@@ -14,12 +14,13 @@ from harness.judge.checks import JUDGED
 from harness.errors import UserError
 from harness.fuzz.check import ExampleResult, finish_example, run_example, start_example
 from harness.fuzz.pool import PoolConfig, PoolExitError, PoolGroup, RankPool
+from harness.fuzz.simulated import SimulatedPool
 from harness.fuzz.search import (STATS_FILE, FuzzStats, cpu_line, format_failure, fuzz, warm_up_hypothesis,
                                  write_stats)
 from harness.fuzz.spec import ModelSpec, describe
 from harness.fuzz.strategies import warm_up_spec
 from harness.run.output import OutputDir
-from harness.run.plan import MAX_CPU_WORLD_SIZE, usable_cores
+from harness.run.plan import MAX_CPU_WORLD_SIZE, MAX_SIMULATED_WORLD_SIZE, usable_cores
 
 MAX_POOLS = 4  # each pool holds W rank processes: memory, not speed, bounds them
 SIDE_BY_SIDE_MIN_EXAMPLES = 8
@@ -41,25 +42,39 @@ def auto_pools(max_examples: int, threads: int, cores: int | None = None) -> int
 
 def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...], replay: str | None,
          out_dir: Path, threads: int, example_timeout_s: float, progress: bool = True, impl: str = "ours",
-         pools: int | None = 1) -> bool:
+         pools: int | None = 1, backend: str = "gloo") -> bool:
     """True when every example passed (`pools` None: `auto_pools`). Library-level: raises
     UserError for bad arguments (before any rank starts), PoolLost when the infrastructure took a
-    rank away; never exits."""
+    rank away; never exits. `backend` simulated: each example at a W of its own up to
+    `world_size`, on simulated ranks ([Note: Fuzzing on simulated ranks])."""
     if max_examples < 1:
         raise UserError(f"--max-examples={max_examples} must be >= 1")
     if threads < 1:
         raise UserError(f"--threads={threads} must be >= 1 (intra-op threads per rank)")
     if not example_timeout_s > 0:
         raise UserError(f"--example-timeout={example_timeout_s} must be > 0 seconds")
-    pools = auto_pools(max_examples, threads) if pools is None else pools
+    simulated = backend == "simulated"
+    if backend not in ("gloo", "simulated"):
+        raise UserError(f"--backend={backend} must be gloo or simulated (the fuzzer's ranks run on this host's CPUs)")
+    pools = (1 if simulated else auto_pools(max_examples, threads)) if pools is None else pools
     if pools < 1:
         raise UserError(f"--pools={pools} must be >= 1 (pools of W ranks training examples side by side)")
-    if not 1 <= world_size <= MAX_CPU_WORLD_SIZE:
+    if simulated and (pools != 1 or threads != 1):
+        raise UserError(f"--backend simulated runs one example at a time on threads of this process: --pools={pools} "
+                        f"and --threads={threads} must be 1")
+    if simulated and not 1 <= world_size <= MAX_SIMULATED_WORLD_SIZE:
+        raise UserError(f"--world-size={world_size} must be between 1 and {MAX_SIMULATED_WORLD_SIZE} with --backend "
+                        f"simulated (the largest W an example draws)")
+    if not simulated and not 1 <= world_size <= MAX_CPU_WORLD_SIZE:
         raise UserError(f"--world-size={world_size} must be between 1 and {MAX_CPU_WORLD_SIZE} (every rank of the "
-                        f"pool is a process importing torch on this host)")
-    from harness.adapters.registry import resolve_sharded_impl
+                        f"pool is a process importing torch on this host; --backend simulated reaches "
+                        f"{MAX_SIMULATED_WORLD_SIZE})")
+    from harness.adapters.registry import resolve_impl, resolve_sharded_impl
 
     resolve_sharded_impl(impl, "fuzz", "the fuzzer needs a sharded implementation")
+    if simulated and not resolve_impl(impl).simulated_ranks:
+        raise UserError(f"impl={impl} cannot run on simulated ranks (it reaches its process group from C++); "
+                        f"fuzz it with --backend gloo")
     if faults:
         from harness.faults import check_faults
 
@@ -71,6 +86,8 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
                         f"printed after 'replay: ... --replay'") from None
     if spec is not None and spec.world_size != world_size:
         raise UserError(f"--replay spec world_size={spec.world_size} != --world-size={world_size}")
+    if spec is not None and simulated and not 1 <= spec.world_size <= MAX_SIMULATED_WORLD_SIZE:
+        raise UserError(f"--replay spec world_size={spec.world_size} is beyond {MAX_SIMULATED_WORLD_SIZE}")
     config = PoolConfig(world_size, out_dir / "logs", threads=threads, example_timeout_s=example_timeout_s)
     # This process builds the reference and judges tensors of a few dozen elements while the ranks
     # train beside it: one intra-op thread is several times faster per op than a pool of them.
@@ -78,23 +95,26 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
     torch.set_num_threads(1)
     try:
         with OutputDir(out_dir, uuid.uuid4().hex, ("logs", STATS_FILE)):  # owned and locked: one run's logs and figures
-            return _main(config, spec, max_examples, seed, faults, progress, impl, pools, out_dir)
+            return _main(config, spec, max_examples, seed, faults, progress, impl, pools, out_dir, backend)
     finally:
         torch.set_num_threads(parent_threads)
 
 
 def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: int, faults: tuple[str, ...],
-          progress: bool, impl: str, pools: int, out_dir: Path) -> bool:
+          progress: bool, impl: str, pools: int, out_dir: Path, backend: str = "gloo") -> bool:
     world_size = config.world_size
-    with PoolGroup(config, 1 if spec is not None else pools) as pool:
+    simulated = backend == "simulated"
+    with SimulatedPool(config) if simulated else PoolGroup(config, 1 if spec is not None else pools) as pool:
         # The first example pays for lazy imports and kernel set-up in every rank: start-up, not rate.
         warm = time.perf_counter()
-        for submitted in [start_example(pool, warm_up_spec(world_size), (), impl) for _ in range(pool.size)]:
+        warm_up = warm_up_spec(min(world_size, 4) if simulated else world_size)
+        for submitted in [start_example(pool, warm_up, (), impl) for _ in range(pool.size)]:
             finish_example(submitted)  # one per pool: `submit` hands each to the pool with none in flight
         if spec is None:
-            warm_up_hypothesis(world_size, impl)
+            warm_up_hypothesis(world_size, impl, simulated)
         start_s = pool.start_s + time.perf_counter() - warm
-        what = f"pool of {world_size} ranks" if pool.size == 1 else f"{pool.size} pools of {world_size} ranks"
+        what = (f"simulated ranks, W drawn up to {world_size}" if simulated else
+                f"pool of {world_size} ranks" if pool.size == 1 else f"{pool.size} pools of {world_size} ranks")
         print(f"[fuzz] {what} started in {start_s:.1f}s", flush=True)
         if spec is not None:
             result = run_example(pool, spec, faults, impl)
@@ -104,7 +124,7 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
                 print(f"[fuzz] replay: NOT RUN: impl={impl} refused the model at wrap: {result.refused}")
                 return False
             print("[fuzz] replay: " + (f"pass (margins {_fmt_margins(result.margins)})" if result.ok
-                                       else "FAIL\n" + format_failure(result, impl)))
+                                       else "FAIL\n" + format_failure(result, impl, backend)))
             if result.ok and exit_error is not None:
                 print(f"[fuzz] replay: ERROR: {exit_error}")
                 return False
@@ -116,15 +136,17 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
                       f"{stats.num_examples / max(stats.example_s, 1e-9):.1f} examples/s", flush=True)
 
         wall = time.perf_counter()
-        stats = fuzz(pool, world_size, max_examples, seed, faults, show, impl)
+        stats = fuzz(pool, world_size, max_examples, seed, faults, show, impl, drawn_world_size=simulated)
         wall = time.perf_counter() - wall
         restarts = pool.num_starts - pool.size
         exit_error = _close(pool)
     rate = stats.num_examples / max(wall, 1e-9)
     write_stats(out_dir, impl, world_size, stats, wall, start_s, pool.size)
-    print(f"[fuzz] impl={impl} W={world_size} seed={seed} faults={list(faults)}: {stats.num_examples} examples "
-          f"(shrinking included) in {wall:.1f}s = {rate:.1f} examples/s; pool start-up {start_s:.1f}s "
-          f"paid once, {restarts} restart(s) after failing examples, {pool.size} pool(s) side by side")
+    how = ("simulated ranks (W drawn per example, its threads started for it)" if simulated else
+           f"pool start-up {start_s:.1f}s paid once, {restarts} restart(s) after failing examples, {pool.size} "
+           f"pool(s) side by side")
+    print(f"[fuzz] impl={impl} W={'<=' if simulated else ''}{world_size} seed={seed} faults={list(faults)}: "
+          f"{stats.num_examples} examples (shrinking included) in {wall:.1f}s = {rate:.1f} examples/s; {how}")
     if stats.num_examples:
         per = 1e3 / stats.num_examples
         print(f"[fuzz] per example: {stats.example_s * per:.0f} ms of the run's wall time; its ranks train it for "
@@ -135,7 +157,7 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
     if stats.honest_margins:
         print(f"[fuzz] largest honest |diff|/tol over passing examples: {_fmt_margins(stats.honest_margins)}")
     if stats.failures:
-        print("[fuzz] FAIL: " + format_failure(stats.failures[-1], impl))
+        print("[fuzz] FAIL: " + format_failure(stats.failures[-1], impl, backend))
         return False
     if exit_error is not None:
         print(f"[fuzz] ERROR: no verdict: {exit_error}")

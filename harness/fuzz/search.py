@@ -77,17 +77,18 @@ class _Falsified(AssertionError):
     pass
 
 
-def replay_command(spec: ModelSpec, faults: tuple[str, ...], impl: str = "ours") -> str:
+def replay_command(spec: ModelSpec, faults: tuple[str, ...], impl: str = "ours", backend: str = "gloo") -> str:
     cmd = f"python -m harness fuzz --world-size {spec.world_size} --replay {shlex.quote(spec.to_json())}"
+    cmd += f" --backend {backend}" if backend != "gloo" else ""
     cmd += f" --impls {impl}" if impl != "ours" else ""
     return cmd + (f" --faults {','.join(faults)}" if faults else "")
 
 
-def warm_up_hypothesis(world_size: int, impl: str) -> None:
+def warm_up_hypothesis(world_size: int, impl: str, drawn_world_size: bool = False) -> None:
     """Hypothesis's one-off costs in this process, paid before the rate is measured: a full garbage
     collection when it first seeds the random generators it manages, and its scan of the loaded
     modules for constants to draw."""
-    draw_specs(world_size, 2, 0, impl)
+    draw_specs(world_size, 2, 0, impl, drawn_world_size=drawn_world_size)
 
 
 def _fuzz_settings(max_examples: int, phases: tuple[Phase, ...]) -> settings:
@@ -96,7 +97,7 @@ def _fuzz_settings(max_examples: int, phases: tuple[Phase, ...]) -> settings:
 
 
 def draw_specs(world_size: int, max_examples: int, seed: int, impl: str = "ours",
-               unused_params: bool = False) -> list[ModelSpec]:
+               unused_params: bool = False, drawn_world_size: bool = False) -> list[ModelSpec]:
     """The models hypothesis's generate phase hands the property for this seed, in order, drawn
     without running any: its choices depend on the examples' outcomes only once one fails or is
     rejected, so until then these are the examples `fuzz` judges, whatever the pools' timing."""
@@ -104,7 +105,7 @@ def draw_specs(world_size: int, max_examples: int, seed: int, impl: str = "ours"
 
     @hypothesis_seed(seed)
     @_fuzz_settings(max_examples, (Phase.generate,))
-    @given(specs_for(world_size, impl, unused_params))
+    @given(specs_for(world_size, impl, unused_params, drawn_world_size))
     def draw(spec: ModelSpec) -> None:
         specs.append(spec)
 
@@ -113,9 +114,11 @@ def draw_specs(world_size: int, max_examples: int, seed: int, impl: str = "ours"
 
 
 def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: tuple[str, ...] = (),
-         on_example=None, impl: str = "ours", unused_params: bool = False) -> FuzzStats:
+         on_example=None, impl: str = "ours", unused_params: bool = False,
+         drawn_world_size: bool = False) -> FuzzStats:
     """Run hypothesis against the pool; stats.failures[-1] is the shrunk example when it failed.
-    `unused_params`: also draw parameters without gradients (off: see model_specs).
+    `unused_params`: also draw parameters without gradients (off: see model_specs);
+    `drawn_world_size`: each example at a W of its own up to `world_size` (a `SimulatedPool`).
 
     [Note: Examples side by side]
     Hypothesis hands its property one example at a time, yet a pool group (harness/fuzz/pool.py)
@@ -140,7 +143,7 @@ def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: 
             on_example(stats, result)
 
     # Judged ahead: the generate phase, every pool busy.
-    specs = iter(draw_specs(world_size, max_examples, seed, impl, unused_params))
+    specs = iter(draw_specs(world_size, max_examples, seed, impl, unused_params, drawn_world_size))
     pending: collections.deque = collections.deque()
     last, last_cpu = time.perf_counter(), time.process_time()
     stop = False
@@ -168,7 +171,7 @@ def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: 
 
     @hypothesis_seed(seed)
     @_fuzz_settings(max_examples, (Phase.generate, Phase.shrink))
-    @given(specs_for(world_size, impl, unused_params))
+    @given(specs_for(world_size, impl, unused_params, drawn_world_size))
     def prop(spec: ModelSpec) -> None:
         nonlocal position
         key = spec.to_json()
@@ -195,12 +198,12 @@ def fuzz(pool: RankPool, world_size: int, max_examples: int, seed: int, faults: 
     return stats
 
 
-def format_failure(result: ExampleResult, impl: str = "ours") -> str:
+def format_failure(result: ExampleResult, impl: str = "ours", backend: str = "gloo") -> str:
     spec = result.spec
     lines = [f"minimal failing model (W={spec.world_size}, optimizer={spec.optimizer.kind}, steps={spec.steps}, "
              f"data={spec.data_mode}, accumulation={spec.accumulation}, faults={list(result.faults)}):",
              describe(spec), f"  spec: {spec.to_json()}", f"  first divergence: {result.summary()}"]
     if result.error is not None:
         lines.append("  " + "\n  ".join(result.error.strip().splitlines()[-15:]))
-    lines.append(f"  replay: {replay_command(spec, result.faults, impl)}")
+    lines.append(f"  replay: {replay_command(spec, result.faults, impl, backend)}")
     return "\n".join(lines)

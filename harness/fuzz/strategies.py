@@ -89,6 +89,7 @@ def model_specs(world_size: int, accumulations: tuple[int, ...] = (1, 2), scalar
     return _model_specs(world_size, accumulations, scalar_params, unused_params)
 
 
+@functools.cache  # one strategy object per W (see _block_specs): a drawn W asks for it at every draw
 @st.composite
 def _model_specs(draw, world_size: int, accumulations: tuple[int, ...], scalar_params: bool,
                  unused_params: bool) -> ModelSpec:
@@ -117,17 +118,37 @@ def _model_specs(draw, world_size: int, accumulations: tuple[int, ...], scalar_p
     )
 
 
+@functools.cache
+def _octave(exponent: int, max_world_size: int) -> st.SearchStrategy[int]:
+    return st.integers(1 << exponent, min(max_world_size, (2 << exponent) - 1))
+
+
+def world_sizes_up_to(max_world_size: int) -> st.SearchStrategy[int]:
+    """W from 1 to `max_world_size`, as many draws in each octave [2^e, 2^(e+1)) as in any other (so
+    W = 1024 is drawn about as often as W in 4..7, not 400 times as often, and costs what it
+    costs), shrinking toward the smallest W that still fails ([Note: Fuzzing on simulated ranks]
+    in harness/fuzz/simulated.py)."""
+    if max_world_size < 1:
+        raise ValueError(f"world_sizes_up_to max_world_size={max_world_size} must be >= 1")
+    return st.integers(0, max_world_size.bit_length() - 1).flatmap(lambda e: _octave(e, max_world_size))
+
+
 def warm_up_spec(world_size: int) -> ModelSpec:
     return ModelSpec(world_size, 2, 1, (BlockSpec(width=2, inner=BlockSpec(width=1)),), OPTIMIZERS[0])
 
 
-def specs_for(world_size: int, impl: str, unused_params: bool = False) -> st.SearchStrategy[ModelSpec]:
+def specs_for(world_size: int, impl: str, unused_params: bool = False,
+              drawn_world_size: bool = False) -> st.SearchStrategy[ModelSpec]:
     """The models `impl` can take: micro-batches per step as the adapter maps them (an adapter
     that owns the step may map only one), 0-d parameters only where it shards them; parameters
-    without gradients only with `unused_params` (see model_specs)."""
+    without gradients only with `unused_params` (see model_specs). `drawn_world_size`: each
+    model at a W of its own, up to `world_size` (`world_sizes_up_to`; simulated ranks)."""
     from cases.features import Features
     from harness.adapters.registry import resolve_impl
 
     adapter = resolve_impl(impl)
     accumulations = (1, 2) if adapter.unsupported(Features(grad_accum=2)) is None else (1,)
+    if drawn_world_size:
+        return world_sizes_up_to(world_size).flatmap(
+            lambda w: model_specs(w, accumulations, adapter.shards_scalar_params, unused_params))
     return model_specs(world_size, accumulations, adapter.shards_scalar_params, unused_params)

@@ -117,6 +117,24 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
 
 
 
+def serve(request: dict, ctx: RankContext, cpu_clock=time.process_time) -> dict:
+    """This rank's reply to one request (a traceback under "error" when it raised). `cpu_clock`:
+    the rank's CPU time (a process's, gloo's threads included; a simulated rank's own thread's)."""
+    try:
+        spec = ModelSpec.from_json(request["spec"])
+        if spec.world_size != ctx.world_size:
+            raise ValueError(f"spec world_size={spec.world_size} but the pool has {ctx.world_size} ranks")
+        start, start_cpu = time.perf_counter(), cpu_clock()
+        impl = request.get("impl", "ours")
+        run = run_example if impl == "ours" else functools.partial(run_adapter_example, impl=impl)
+        reply = run(spec, frozenset(request["faults"]), request["init"], ctx)
+        reply["rank_s"] = time.perf_counter() - start
+        reply["rank_cpu_s"] = cpu_clock() - start_cpu
+    except Exception:
+        reply = {"error": f"rank {ctx.rank}: " + traceback.format_exc()}
+    return reply
+
+
 def main(argv: list[str]) -> int:
     cfg = json.loads(Path(argv[1]).read_text())
     ctx = rank_prologue(cfg["threads"], collective_timeout_s=cfg["collective_timeout_s"])
@@ -128,18 +146,7 @@ def main(argv: list[str]) -> int:
         request = decode(store.get(f"req/{i}"))
         if request.get("stop"):
             break
-        try:
-            spec = ModelSpec.from_json(request["spec"])
-            if spec.world_size != ctx.world_size:
-                raise ValueError(f"spec world_size={spec.world_size} but the pool has {ctx.world_size} ranks")
-            start, start_cpu = time.perf_counter(), time.process_time()
-            impl = request.get("impl", "ours")
-            run = run_example if impl == "ours" else functools.partial(run_adapter_example, impl=impl)
-            reply = run(spec, frozenset(request["faults"]), request["init"], ctx)
-            reply["rank_s"] = time.perf_counter() - start
-            reply["rank_cpu_s"] = time.process_time() - start_cpu  # every thread of the rank: gloo's too
-        except Exception:
-            reply = {"error": f"rank {ctx.rank}: " + traceback.format_exc()}
+        reply = serve(request, ctx)
         store.set(f"rep/{i}/{ctx.rank}", encode(reply))
         if "error" in reply:
             break  # the pool is restarted: other ranks may be stuck in a collective

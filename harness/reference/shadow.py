@@ -17,6 +17,7 @@ envelope), with noise of the amplitude `noise_amplitude` measures.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -182,8 +183,11 @@ class Shadow:
     def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
                  device: torch.device = torch.device("cpu"), num_micro: int | None = None,
                  init_buffers: dict[str, torch.Tensor] | None = None,
-                 record_device: torch.device = torch.device("cpu")) -> None:
+                 record_device: torch.device = torch.device("cpu"), world_sizes: Sequence[int] = ()) -> None:
         self.case = case
+        # The world sizes of the cells this shadow's noise must cover (`_amplitude`); none given:
+        # every one the case declares.
+        self.world_sizes = tuple(world_sizes) or tuple(case.world_sizes)
         features = case.features
         plain = replay_model(case, init_state, init_buffers, device)
         self.params = dict(plain.named_parameters())
@@ -455,7 +459,8 @@ class Shadow:
         """Per gradient (float64), the amplitude of a perturbed reference run's noise at this step,
         measured at `params_before` (the reference's parameters before the step): the size of the
         largest honest reduction error of any split of this batch (every sample its own term,
-        K = B, bounds every W x M split), plus the measured difference between the whole-batch
+        K = B, bounds every W x M split) and of identical data at the largest W served (K = W x M),
+        plus the measured difference between the whole-batch
         gradient and the mean of the per-sample ones and of every split a cell computes (the local
         computation on another batch size), plus the reordering allowance (docs/error_model.md,
         "Trajectories"). Every perturbed run of the step adds a random sign times it."""
@@ -483,7 +488,14 @@ class Shadow:
         # The reference computes its local forward/backward on another batch size than a cell's
         # ranks, so beyond the reduction their gradients differ by the compute dtype's rounding.
         u = max(precision.u, unit_roundoff(features.compute_dtype))
-        model = ReductionModel(num_samples, u, precision.casts, max(precision.eta, underflow_error(features.compute_dtype)))
+        # Every sample its own term (K = B) bounds every split of the batch (W x M <= B). Identical
+        # data is no split: each of a cell's W x M terms is a gradient of the whole batch (or of a
+        # micro-batch of it), whose mean |term| is at most the per-sample mean |g_b|, and the honest
+        # fold of W x M of them makes W x M - 1 roundings, more than K = B allows once W x M > B
+        # (a W = 256 cell of a batch of 8).
+        identical_terms = max(self.world_sizes) * self.num_micro if "identical" in self.case.data_modes else 0
+        model = ReductionModel(max(num_samples, identical_terms), u, precision.casts,
+                               max(precision.eta, underflow_error(features.compute_dtype)))
         bound: dict[str, torch.Tensor] = {}
         shape: dict[str, torch.Tensor] = {}  # the largest |whole-batch gradient - a split's mean| so far
         if "split" in self.case.data_modes:
@@ -498,7 +510,7 @@ class Shadow:
             # The local computation on each batch size a cell of this case runs (B / W samples per
             # rank, in M micro-batches) differs from the whole batch's in its own bits: the noise
             # covers each, so a cell's step-1 deviation is never larger than the noise's amplitude.
-            for w in sorted(set(self.case.world_sizes) - {1}):
+            for w in sorted(set(self.world_sizes) - {1}):
                 if num_samples % (w * self.num_micro) == 0 and w * self.num_micro < num_samples:
                     _, split_mean, _, _ = self._terms(batch, "split", w, self.num_micro, reorder=False, absolute=False)
                     for n, g in grads.items():
@@ -508,7 +520,7 @@ class Shadow:
         else:
             # Identical data only (a model coupling its samples, as BatchNorm does, where a sample
             # alone is no term of the batch's gradient): every rank computes the whole batch, so
-            # the honest error is the reduction of equal terms, bounded as B of them.
+            # the honest error is the reduction of equal terms (bounded as K of them, above).
             for name, g in grads.items():
                 bound[name] = model.grad_bound(g.abs())
                 shape[name] = (g - g).abs()  # the whole batch is its own mean (NaN where g is not finite)

@@ -50,6 +50,9 @@ class Cell:
     # A user's adapter ('module:Class' / 'file.py:Class'): its unique `name`, filled in by
     # build_plan, keys the cells and reports; a built-in impl is its own name.
     impl_name: str = ""
+    # A reference cell: the world sizes of the cells judged against it (its perturbed runs' noise
+    # covers the honest reductions of every one: harness/reference/shadow.py `_amplitude`).
+    serves: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -83,7 +86,7 @@ class Cell:
 
     @classmethod
     def from_json(cls, d: dict) -> Cell:
-        return cls(**{**d, "faults": tuple(d.get("faults", ()))})
+        return cls(**{**d, "faults": tuple(d.get("faults", ())), "serves": tuple(d.get("serves", ()))})
 
 
 @dataclass(frozen=True)
@@ -387,7 +390,8 @@ def build_plan(request: RunRequest | None = None, **fields) -> RunPlan:
                         + "; ".join(sorted({f"{c.case} ({c.impl}): {r}" for c, r in skipped})))
     cells += _fault_copies(cells, fault_copies)
     references = tuple(
-        Cell(name, REFERENCE_IMPL, 1, "identical", steps or get_case(name).steps, is_reference=True)
+        Cell(name, REFERENCE_IMPL, 1, "identical", steps or get_case(name).steps, is_reference=True,
+             serves=tuple(sorted({c.world_size for c in cells if c.case == name})))
         for name in cases if any(c.case == name for c in cells)
     )
     if str(out_dir).strip() == "":  # Path("") would be the current directory

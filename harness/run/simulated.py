@@ -25,10 +25,12 @@ launch uses the cores, but it is for small models at large W, not for speed.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,8 @@ BACKEND = "simulated"
 # The threads of a group meet at every collective; one that waits this long for the others means a
 # rank died or diverged: the launch fails instead of hanging.
 RENDEZVOUS_TIMEOUT_S = 600.0
+# Simulated ranks running Python at once (`_Pace`).
+PACE_SLOTS = 2
 
 
 _thread = threading.local()  # a simulated rank's thread: its simulation, its rank, its registered groups
@@ -51,20 +55,104 @@ class SimulationAborted(RuntimeError):
     """Another rank of the simulation failed: this rank's collective cannot complete."""
 
 
+class _Ticket:
+    """A simulated rank's thread's own gate: closed while the thread waits, opened when it may run
+    (a collective done, a slot free) or must stop (the simulation aborted)."""
+
+    __slots__ = ("gate", "slot")
+
+    def __init__(self) -> None:
+        self.gate = threading.Lock()
+        self.gate.acquire()
+        self.slot = False  # it holds one of the pace's slots
+
+    def open(self) -> None:
+        try:
+            self.gate.release()
+        except RuntimeError:
+            pass  # open already
+
+
+def _ticket() -> _Ticket:
+    ticket = getattr(_thread, "ticket", None)
+    if ticket is None:
+        ticket = _thread.ticket = _Ticket()
+    return ticket
+
+
+class _Pace:
+    """At most `slots` simulated ranks run at once; the others wait, in the order they became
+    runnable, for a running one to block.
+
+    After a collective every other rank of the group can go on, and W threads woken at once fight
+    for Python's lock at every kernel call (each call releases it): at W = 256 a simulation spent
+    more time in the kernel's futex calls than in the ranks' code. So the rank that computes a
+    collective hands the waiting ranks to this queue instead of waking them, and a rank passes its
+    slot on when it blocks (at a collective, a receive, its end). A rank blocked where this cannot
+    see (a store's wait, a lock of the code under test) keeps its slot; when no slot has moved for
+    STALL_S, a waiting rank runs without one: slower, never stuck."""
+
+    STALL_S = 0.5
+
+    def __init__(self, slots: int) -> None:
+        self.lock = threading.Lock()
+        self.free = slots
+        self.ready: collections.deque[_Ticket] = collections.deque()
+        self.moved = time.monotonic()
+
+    def _dispatch(self) -> None:  # under self.lock
+        while self.free and self.ready:
+            ticket = self.ready.popleft()
+            self.free -= 1
+            ticket.slot = True
+            ticket.open()
+        self.moved = time.monotonic()
+
+    def runnable(self, tickets: list[_Ticket]) -> None:
+        with self.lock:
+            self.ready.extend(tickets)
+            self._dispatch()
+
+    def release(self, ticket: _Ticket) -> None:
+        """The thread of `ticket` blocks: its slot goes to the next runnable rank."""
+        with self.lock:
+            if ticket.slot:
+                ticket.slot = False
+                self.free += 1
+                self._dispatch()
+
+    def wait(self, ticket: _Ticket, check: Callable[[], None], what: str) -> None:
+        """Until `ticket` is opened (`check` raises when the simulation aborted)."""
+        waited = 0.0
+        while not ticket.gate.acquire(timeout=1.0):
+            check()
+            waited += 1.0
+            if waited > RENDEZVOUS_TIMEOUT_S:
+                raise SimulationAborted(f"{what}: waited {waited:.0f} s")
+            with self.lock:
+                if ticket in self.ready and time.monotonic() - self.moved > self.STALL_S:
+                    self.ready.remove(ticket)  # the slots' holders are blocked elsewhere: run without one
+                    return
+
+    def run(self, check: Callable[[], None], what: str) -> None:
+        """This thread becomes runnable: wait for a slot."""
+        ticket = _ticket()
+        self.runnable([ticket])
+        self.wait(ticket, check, what)
+
+
 class _Rendezvous:
     """The meeting point of one group's threads: each collective deposits every rank's arguments;
-    the last thread to arrive computes every rank's result and opens each waiting rank's own gate
-    (a lock per rank: waking W threads one by one, not all of them through one condition)."""
+    the last thread to arrive computes every rank's result and hands the others to the pace
+    (`_Pace`), which opens each one's own gate when it may run."""
 
-    def __init__(self, size: int, abort: threading.Event) -> None:
-        self.size, self.abort = size, abort
+    def __init__(self, size: int, abort: threading.Event, pace: _Pace) -> None:
+        self.size, self.abort, self.pace = size, abort, pace
         self.slots: list[Any] = [None] * size
+        self.tickets: list[_Ticket | None] = [None] * size
         self.error: BaseException | None = None
         self.arrived = 0
         self.lock = threading.Lock()
-        self.gates = [threading.Lock() for _ in range(size)]
-        for gate in self.gates:
-            gate.acquire()  # closed until the collective is computed
         self.mailboxes: dict[tuple[int, int, int], queue.Queue] = {}
         self.mail_lock = threading.Lock()
 
@@ -76,11 +164,12 @@ class _Rendezvous:
         """Deposit `args`; once every rank has, one thread runs compute(all ranks' args); return
         when it is done (an error in it is raised on every rank).
 
-        Nobody deposits the next collective's arguments before this one is computed (the gates
-        open after it), and its error is read before the next one's computation replaces it (that
-        waits for every rank to arrive again)."""
+        Nobody deposits the next collective's arguments before this one is computed (the others
+        run on only after it), and its error is read before the next one's computation replaces it
+        (that waits for every rank to arrive again)."""
         self._check()
-        self.slots[rank] = args
+        ticket = _ticket()
+        self.slots[rank], self.tickets[rank] = args, ticket
         with self.lock:
             self.arrived += 1
             last = self.arrived == self.size
@@ -92,16 +181,10 @@ class _Rendezvous:
                 self.error = None
             except BaseException as e:  # raised on every rank below
                 self.error = e
-            for r, gate in enumerate(self.gates):
-                if r != rank:
-                    gate.release()
+            self.pace.runnable([t for r, t in enumerate(self.tickets) if r != rank])
         else:
-            waited, gate = 0.0, self.gates[rank]
-            while not gate.acquire(timeout=1.0):
-                self._check()
-                waited += 1.0
-                if waited > RENDEZVOUS_TIMEOUT_S:
-                    raise SimulationAborted(f"rank {rank} waited {waited:.0f} s for the other ranks' collective")
+            self.pace.release(ticket)
+            self.pace.wait(ticket, self._check, f"rank {rank}, waiting for the other ranks' collective")
             self._check()
         if self.error is not None:
             raise RuntimeError(f"simulated collective failed: {self.error}") from self.error
@@ -112,11 +195,9 @@ class _Rendezvous:
 
     def broken(self) -> None:
         """Wake every rank waiting here (the abort event is set: they raise)."""
-        for gate in self.gates:
-            try:
-                gate.release()
-            except RuntimeError:
-                pass  # open already
+        for ticket in self.tickets:
+            if ticket is not None:
+                ticket.open()
 
 
 def _fold(terms: torch.Tensor, op) -> torch.Tensor:
@@ -274,13 +355,14 @@ class SimulatedGroup(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0):
         box = self._rdv.mailbox(src, self._rank, tag)
+        self._rdv.pace.release(_ticket())
         while True:
             try:
                 sent = box.get(timeout=1.0)
                 break
             except queue.Empty:
-                if self._rdv.abort.is_set():
-                    raise SimulationAborted("another simulated rank failed") from None
+                self._rdv._check()
+        self._rdv.pace.run(self._rdv._check, f"rank {self._rank}, received from rank {src}")
         for t, s in zip(tensors, sent):
             t.copy_(s)
         return _done()
@@ -304,6 +386,7 @@ class Simulation:
         self.store = dist.HashStore()  # the launch's store: every rank's, in this process
         self._rendezvous: dict[str, _Rendezvous] = {}
         self._rdv_lock = threading.Lock()
+        self.pace = _Pace(PACE_SLOTS)
 
     def _group_for(self, store: dist.Store, rank: int, size: int) -> SimulatedGroup:
         # torch gives each group's members one store namespace of its own (its name under the store
@@ -311,7 +394,7 @@ class Simulation:
         if rank == 0:
             with self._rdv_lock:
                 token = str(len(self._rendezvous))
-                self._rendezvous[token] = _Rendezvous(size, self.abort)
+                self._rendezvous[token] = _Rendezvous(size, self.abort, self.pace)
             store.set(_RENDEZVOUS_KEY, token)
         else:
             store.wait([_RENDEZVOUS_KEY])
@@ -380,6 +463,18 @@ class Simulation:
                                f"(harness/run/simulated.py)")
         return sim._group_for(store, rank, size)
 
+    def _check_abort(self) -> None:
+        if self.abort.is_set():
+            raise SimulationAborted("another simulated rank failed")
+
+    def cancel(self) -> None:
+        """Stop every rank at its next collective (it raises SimulationAborted): a rank failed, or
+        the simulation ran past its time."""
+        self.abort.set()
+        with self._rdv_lock:
+            for rdv in self._rendezvous.values():
+                rdv.broken()
+
     def init_rank(self) -> None:
         """This thread's default process group (a simulated rank's thread only)."""
         dist.init_process_group(BACKEND, store=dist.PrefixStore("world", self.store), rank=_thread.rank,
@@ -397,21 +492,20 @@ class Simulation:
         def rank_main(rank: int) -> None:
             _thread.simulation, _thread.rank = self, rank
             try:
+                self.pace.run(self._check_abort, f"rank {rank}, starting")
                 if init:
                     self.init_rank()
                 results[rank] = fn(rank)
             except BaseException as e:
                 errors[rank] = e
-                self.abort.set()
-                with self._rdv_lock:
-                    for rdv in self._rendezvous.values():
-                        rdv.broken()
+                self.cancel()
             finally:
                 if dist.is_initialized():
                     try:
                         dist.destroy_process_group()
                     except Exception:  # a failed rank's group: the error above is the one to see
                         pass
+                self.pace.release(_ticket())
 
         threads = [threading.Thread(target=rank_main, args=(r,), name=f"simulated-rank-{r}", daemon=True)
                    for r in range(self.world_size)]

@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -104,7 +105,7 @@ class StepEvidence:
     clip_norms: torch.Tensor  # (W,) float64, NaN where a rank reported none
     shards: dict[str, torch.Tensor]  # key -> (W, shard_numel); on the team's rank 0 only (empty elsewhere)
     shard_grads: dict[str, torch.Tensor]  # keys whose gradient every rank has (rank 0 only, as shards)
-    padding_intervals: dict[str, list]  # key -> per rank [[start, end), ...]
+    padding_intervals: dict[str, list]  # key -> per rank [[start, end), ...]; empty where the shards are not (team rank > 0)
     collectives: torch.Tensor | None = None  # (W, fields of LedgerStep): every rank's, where counted
 
 
@@ -179,8 +180,9 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
         shards, shard_grads, padding_intervals = {}, {}, {}
         for raw, (cap, has_grad) in zip(p.raws, shape):
             n = raw.data.numel()
-            per_rank = rows[:, at : at + 2 * cap].long().view(ctx.world_size, cap, 2).tolist()
-            padding_intervals[raw.key] = [[[a, b] for a, b in ivs if b > a] for ivs in per_rank]
+            if big_rows is not None:  # read with the shards, where they are judged: W lists on one rank, not on W
+                per_rank = rows[:, at : at + 2 * cap].long().view(ctx.world_size, cap, 2).tolist()
+                padding_intervals[raw.key] = [[[a, b] for a, b in ivs if b > a] for ivs in per_rank]
             at += 2 * cap
             for into, t in ((shards, raw.data), (shard_grads, raw.grad if has_grad else None)):
                 if t is None:
@@ -408,8 +410,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         reference = perturbed = None
         if cell.is_reference:
             seeds = perturbed_seeds(0, team_size)  # none here: the team's other ranks step them all
-            runs = (PerturbedRuns(case, spec, init_state, seeds, ctx.device, init_buffers, ctx.device, borrow=True)
-                    if seeds else None)
+            runs = (PerturbedRuns(case, spec, init_state, seeds, ctx.device, init_buffers, ctx.device, borrow=True,
+                                  world_sizes=cell.serves) if seeds else None)
             def perturbed(step, before, runs=runs):
                 return runs.step(step, before) if runs is not None else []
         elif reference_rank:
@@ -525,7 +527,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     if judge is not None:
         return judge.record(run_id)
     perturbed = (perturbed_runs(case, spec, init_state, [init_params] + [rec.params for rec in steps[:-1]],
-                                list(range(1, NUM_PERTURBED_RUNS + 1)), ctx.device, init_buffers)
+                                list(range(1, NUM_PERTURBED_RUNS + 1)), ctx.device, init_buffers, cell.serves)
                  if cell.is_reference else None)
     return Snapshot(cell.to_json(), spec.kind, ctx.world_size, layouts,
                     {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
@@ -578,7 +580,8 @@ def perturbed_envelopes(cell: Cell, spec: OptimizerSpec, init_state: dict[str, t
     is the envelope of all."""
     case = get_case(cell.case)
     names = [n for n, _ in case.build_shapes().named_parameters()]
-    runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers, device, borrow=True)
+    runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers, device, borrow=True,
+                         world_sizes=cell.serves)
     envelopes, before = [], init_state
     for step in range(1, cell.steps + 1):
         runs_params = record_on(runs.step(step, before), device)  # the case's code: out of on_device
@@ -614,11 +617,13 @@ class PerturbedRuns:
 
     def __init__(self, case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], seeds: list[int],
                  device: torch.device, init_buffers: dict[str, torch.Tensor] | None = None,
-                 record_device: torch.device = torch.device("cpu"), borrow: bool = False) -> None:
+                 record_device: torch.device = torch.device("cpu"), borrow: bool = False,
+                 world_sizes: Sequence[int] = ()) -> None:
         # `borrow`: each step's parameters are the runs' own tensors, valid until the next step (an
         # envelope taken at once, as on the ranks), not copies kept for a snapshot.
         self.case, self.seeds, self.borrow = case, list(seeds), borrow
-        self.measure = Shadow(case, spec, init_state, device, init_buffers=init_buffers)
+        # `world_sizes`: those of the cells judged against these runs (the noise covers each).
+        self.measure = Shadow(case, spec, init_state, device, init_buffers=init_buffers, world_sizes=world_sizes)
         self.shadows = [Shadow(case, spec, init_state, device, init_buffers=init_buffers, record_device=record_device)
                         for _ in self.seeds]
         self.generators = {pair: torch.Generator().manual_seed(pair) for pair in {(s + 1) // 2 for s in self.seeds}}
@@ -651,10 +656,11 @@ class PerturbedRuns:
 
 def perturbed_runs(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
                    references_before: list[dict[str, torch.Tensor]], seeds: list[int], device: torch.device,
-                   init_buffers: dict[str, torch.Tensor] | None = None) -> list[list[dict[str, torch.Tensor]]]:
+                   init_buffers: dict[str, torch.Tensor] | None = None,
+                   world_sizes: Sequence[int] = ()) -> list[list[dict[str, torch.Tensor]]]:
     """Per seed, every step's parameters of the PerturbedRuns of `seeds` around a reference whose
-    parameters before each step are `references_before`."""
-    runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers)
+    parameters before each step are `references_before` (noise for cells of `world_sizes`)."""
+    runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers, world_sizes=world_sizes)
     steps = [runs.step(step, before) for step, before in enumerate(references_before, start=1)]
     return [[params[i] for params in steps] for i in range(len(seeds))]
 

@@ -17,7 +17,11 @@ def add_parser(verbs) -> None:
     fuzz = verbs.add_parser("fuzz", help="hypothesis-drawn models through a persistent pool of W ranks")
     fuzz.add_argument("--impls", default="ours", help="implementations fuzzed one after the other, each a built-in "
                       "name or a user's 'module:Class' / 'file.py:Class' (default ours)")
-    fuzz.add_argument("--world-size", type=int, default=4, help="ranks in the pool (default 4)")
+    fuzz.add_argument("--world-size", type=int, default=4, help="ranks in the pool (default 4); with --backend "
+                      "simulated, the largest W an example draws (up to 1024)")
+    fuzz.add_argument("--backend", choices=("gloo", "simulated"), default="gloo",
+                      help="gloo: a pool of W rank processes (default); simulated: each example on W threads of "
+                           "this process, W drawn per example and shrunk with the model (impl=ours)")
     fuzz.add_argument("--max-examples", type=int, default=40, help="examples hypothesis generates (default 40)")
     fuzz.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
     fuzz.add_argument("--replay", default=None, help="run one spec (the JSON a failure prints) instead of fuzzing")
@@ -41,5 +45,6 @@ def run(args, extra: list[str], argv: list[str]) -> bool:
         where = out_dir(args.out) if len(impls) == 1 else out_dir(args.out) / re.sub(r"\W+", "_", impl)
         ok = fuzz_main(args.world_size, args.max_examples, args.seed,
                        parse_csv(args.faults, "faults") if args.faults else (), args.replay,
-                       where, args.threads, args.example_timeout, impl=impl, pools=pools(args.pools)) and ok
+                       where, args.threads, args.example_timeout, impl=impl, pools=pools(args.pools),
+                       backend=args.backend) and ok
     return ok

@@ -284,3 +284,30 @@ def test_trajectory_factor_passes_a_third_perturbed_run_and_5x_the_envelope_fail
         if fails:
             (v,) = violations
             assert (v.step, v.name, v.index) == (last + 1, name, 0)
+
+
+@pytest.mark.parametrize("case_name", ["mlp", "transformer"])
+def test_the_noise_covers_identical_data_folded_over_more_ranks_than_samples(case_name):
+    """Identical data is no split of the batch: at W = 256 over a batch of 8 every rank's term is
+    the whole batch's gradient, and the honest fold of 256 of them (left to right in float32, as
+    simulated and ring reductions add) errs further than K = B terms allow. The perturbed runs'
+    noise, serving W = 256, covers every element of it; sized for W <= 8 (what it was, before a
+    W = 256 honest cell failed the trajectory check at ratio 1.15) it does not."""
+    import torch.distributed as dist
+
+    from harness.adapters.local_step import forward_backward
+    from harness.reference.shadow import Shadow
+    from harness.run.simulated import _fold
+
+    case = get_case(case_name)
+    model = case.build_model()
+    init = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    batch = case.make_batch(case.seed, 1, case.global_batch)
+    forward_backward(model, case.loss_fn, batch[0], batch[1], 1)
+    errors = {n: (_fold(p.grad.expand(256, *p.grad.shape), dist.ReduceOp.AVG) - p.grad).abs().double()
+              for n, p in model.named_parameters()}
+    spec = case.optimizers[0]
+    served = {w: Shadow(case, spec, init, world_sizes=(1, w)).noise_amplitude(init, batch) for w in (8, 256)}
+    assert all(bool((e <= served[256][n]).all()) for n, e in errors.items())
+    escaping = sum(int((e > served[8][n]).sum()) for n, e in errors.items())
+    assert escaping > 0

@@ -119,6 +119,56 @@ def test_a_failing_rank_fails_the_simulation_naming_it_without_hanging():
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.parametrize("slots", [2, pytest.param(1000, marks=pytest.mark.xfail(strict=True, reason="planted: no pace"))])
+def test_no_more_ranks_run_at_once_than_the_pace_has_slots(monkeypatch, slots):
+    """After a collective the others are handed on a slot at a time, not woken together
+    ([Note: Simulated ranks], `_Pace`); planted: a pace of 1000 slots lets them all run."""
+    import threading
+
+    from harness.run import simulated
+
+    monkeypatch.setattr(simulated, "PACE_SLOTS", slots)
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def fn(rank):
+        t = torch.ones(1)
+        for _ in range(3):
+            dist.all_reduce(t)
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.005)
+            with lock:
+                running[0] -= 1
+        return t.item()
+
+    assert simulate(16, fn) == [16.0 ** 3] * 16
+    assert most[0] <= 2, most[0]
+
+
+@pytest.mark.parametrize("stall_s", [0.5, pytest.param(1e9, marks=[pytest.mark.slow, pytest.mark.xfail(
+    strict=True, reason="planted: no stall escape (12 s)")])])
+def test_ranks_blocked_outside_any_collective_do_not_starve_the_rank_they_wait_for(monkeypatch, stall_s):
+    """Every rank but the last waits for an event only the last one sets, outside any collective
+    (as a store's wait is): the slots' holders block, and the ranks waiting for a slot run without
+    one once no slot has moved for STALL_S, so the event is set while they still wait. Planted:
+    no escape, and the first ranks time out before the last one ever runs."""
+    import threading
+
+    from harness.run.simulated import _Pace
+
+    monkeypatch.setattr(_Pace, "STALL_S", stall_s)
+    event = threading.Event()
+
+    def fn(rank):
+        if rank == 7:
+            event.set()
+            return True
+        return event.wait(timeout=4)
+
+    assert simulate(8, fn) == [True] * 8
+
+
 @pytest.mark.slow
 def test_world_sizes_far_above_the_parameters_numel():
     """W = 256 on an MLP whose biases have 7 to 31 elements: most ranks hold empty shards of every
