@@ -142,9 +142,8 @@ def _main(config: PoolConfig, spec: ModelSpec | None, max_examples: int, seed: i
         exit_error = _close(pool)
     rate = stats.num_examples / max(wall, 1e-9)
     write_stats(out_dir, impl, world_size, stats, wall, start_s, pool.size)
-    how = ("simulated ranks (W drawn per example, its threads started for it)" if simulated else
-           f"pool start-up {start_s:.1f}s paid once, {restarts} restart(s) after failing examples, {pool.size} "
-           f"pool(s) side by side")
+    how = (f"pool start-up {start_s:.1f}s paid once, {restarts} restart(s) after failing examples, "
+           + ("its one rank simulating each example's W ranks" if simulated else f"{pool.size} pool(s) side by side"))
     print(f"[fuzz] impl={impl} W={'<=' if simulated else ''}{world_size} seed={seed} faults={list(faults)}: "
           f"{stats.num_examples} examples (shrinking included) in {wall:.1f}s = {rate:.1f} examples/s; {how}")
     if stats.num_examples:

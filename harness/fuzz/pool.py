@@ -48,10 +48,14 @@ class PoolConfig:
     example_timeout_s: float = 60.0
     start_timeout_s: float = 120.0
     exit_grace_s: float = EXIT_GRACE_S  # for the ranks to exit once told to stop
+    # One rank that runs each example on simulated ranks at the example's own world size
+    # ([Note: Fuzzing on simulated ranks], harness/fuzz/simulated.py); world_size is then 1.
+    simulated: bool = False
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"PoolConfig world_size={self.world_size} must be >= 1")
+        if self.world_size < 1 or (self.simulated and self.world_size != 1):
+            raise ValueError(f"PoolConfig world_size={self.world_size} must be >= 1 (1 when simulated: the one rank "
+                             f"simulates each example's ranks)")
         if not (self.example_timeout_s > 0 and self.start_timeout_s > 0 and self.exit_grace_s > 0):
             raise ValueError(f"PoolConfig timeouts example={self.example_timeout_s} start={self.start_timeout_s} "
                              f"exit={self.exit_grace_s} must be > 0")
@@ -90,7 +94,7 @@ class RankPool:
                                            timeout=timedelta(seconds=cfg.example_timeout_s))
         config_file = log_dir / "pool.json"
         config_file.write_text(json.dumps({
-            "host": "127.0.0.1", "port": self._store.port, "threads": cfg.threads,
+            "host": "127.0.0.1", "port": self._store.port, "threads": cfg.threads, "simulated": cfg.simulated,
             "collective_timeout_s": cfg.example_timeout_s, "idle_timeout_s": 24 * 3600,
         }))
         self._launch = Launch(TorchrunSpec(cfg.world_size, "harness.fuzz.worker", (str(config_file),), log_dir,

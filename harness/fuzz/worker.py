@@ -28,7 +28,7 @@ from harness.fuzz.spec import ModelSpec, as_case
 from harness.adapters.base import RankContext
 from harness.adapters.ours import Ours
 from harness.adapters.registry import resolve_impl
-from harness.run import dist_faults
+from harness.run import dist_faults, simulated
 from harness.run.rank import pick_evidence, pick_grads, rank_epilogue, rank_prologue, replica_digests, train_step
 from harness.run.snapshot import decode, encode
 
@@ -119,7 +119,8 @@ def run_adapter_example(spec: ModelSpec, faults: frozenset[str], init: dict[str,
 
 def serve(request: dict, ctx: RankContext, cpu_clock=time.process_time) -> dict:
     """This rank's reply to one request (a traceback under "error" when it raised). `cpu_clock`:
-    the rank's CPU time (a process's, gloo's threads included; a simulated rank's own thread's)."""
+    the rank's CPU time (a process's, gloo's threads included; a simulated rank's own thread's:
+    harness/fuzz/simulation_server.py)."""
     try:
         spec = ModelSpec.from_json(request["spec"])
         if spec.world_size != ctx.world_size:
@@ -135,9 +136,35 @@ def serve(request: dict, ctx: RankContext, cpu_clock=time.process_time) -> dict:
     return reply
 
 
+def run_simulated(request: dict) -> dict:
+    """The reply of a simulated pool's one rank ([Note: Fuzzing on simulated ranks] in
+    harness/fuzz/simulated.py): every simulated rank's `serve` reply under "replies", in rank
+    order, or the example's error: that of the rank that raised first (the others were only
+    stopped at their next collective)."""
+    world_size = ModelSpec.from_json(request["spec"]).world_size
+    sim = simulated.Simulation(world_size)
+    replies: list[dict | None] = [None] * world_size
+
+    def rank_main(rank: int) -> None:
+        ctx = RankContext(rank, world_size, dist.group.WORLD, torch.device("cpu"))
+        replies[rank] = reply = serve(request, ctx, time.thread_time)  # a rank's CPU is its thread's
+        if "error" in reply:
+            sim.cancel()  # the others would wait for this rank at their next collective
+
+    try:
+        sim.run(rank_main)
+    except RuntimeError as e:  # a rank failed outside `serve` (joining its group)
+        return {"error": f"simulated W={world_size}: {e}"}
+    errors = [r["error"] for r in replies if "error" in r]
+    own = [e for e in errors if simulated.SimulationAborted.__name__ not in e]
+    return {"error": "\n".join((own or errors)[:3])} if errors else {"replies": replies}
+
+
 def main(argv: list[str]) -> int:
     cfg = json.loads(Path(argv[1]).read_text())
-    ctx = rank_prologue(cfg["threads"], collective_timeout_s=cfg["collective_timeout_s"])
+    on_threads = cfg.get("simulated", False)
+    # A simulated pool's one rank joins no process group: each example's simulated ranks join theirs.
+    ctx = rank_prologue(cfg["threads"], None if on_threads else "gloo", collective_timeout_s=cfg["collective_timeout_s"])
     store = dist.TCPStore(cfg["host"], cfg["port"], is_master=False,
                           timeout=timedelta(seconds=cfg["idle_timeout_s"]))
     store.set(f"ready/{ctx.rank}", "1")
@@ -146,7 +173,7 @@ def main(argv: list[str]) -> int:
         request = decode(store.get(f"req/{i}"))
         if request.get("stop"):
             break
-        reply = serve(request, ctx)
+        reply = run_simulated(request) if on_threads else serve(request, ctx)
         store.set(f"rep/{i}/{ctx.rank}", encode(reply))
         if "error" in reply:
             break  # the pool is restarted: other ranks may be stuck in a collective

@@ -31,7 +31,7 @@ from harness.run.snapshot import digest
 T = TypeVar("T")
 
 
-def rank_prologue(threads: int, backend: str = "gloo", device: str = "cpu",
+def rank_prologue(threads: int, backend: str | None = "gloo", device: str = "cpu",
                   collective_timeout_s: float | None = None) -> RankContext:
     """This rank's context in the world group, after the steps above. A simulated rank (a thread of
     a simulated launch, [Note: A simulated launch] in harness/run/simulated.py) only joins its
@@ -59,6 +59,8 @@ def rank_prologue(threads: int, backend: str = "gloo", device: str = "cpu",
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+    if backend is None:  # a process that joins no group itself (the fuzzer's simulated pool: its ranks do)
+        return RankContext(0, 1, None, rank_device)
     if collective_timeout_s is None:
         dist.init_process_group(backend)
     else:

@@ -26,12 +26,13 @@ launch uses the cores, but it is for small models at large W, not for speed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,8 @@ class _Rendezvous:
             last = self.arrived == self.size
             if last:
                 self.arrived = 0
+            else:  # before the last rank can hand this one back to the pace, still holding its slot
+                self.pace.release(ticket)
         if last:
             try:
                 compute(self.slots)
@@ -183,7 +186,6 @@ class _Rendezvous:
                 self.error = e
             self.pace.runnable([t for r, t in enumerate(self.tickets) if r != rank])
         else:
-            self.pace.release(ticket)
             self.pace.wait(ticket, self._check, f"rank {rank}, waiting for the other ranks' collective")
             self._check()
         if self.error is not None:
@@ -468,8 +470,7 @@ class Simulation:
             raise SimulationAborted("another simulated rank failed")
 
     def cancel(self) -> None:
-        """Stop every rank at its next collective (it raises SimulationAborted): a rank failed, or
-        the simulation ran past its time."""
+        """Stop every rank at its next collective (it raises SimulationAborted): a rank failed."""
         self.abort.set()
         with self._rdv_lock:
             for rdv in self._rendezvous.values():
@@ -539,6 +540,22 @@ def current() -> tuple["Simulation", int] | None:
     """(the simulation, this thread's rank) in a simulated rank's thread, else None."""
     sim = getattr(_thread, "simulation", None)
     return None if sim is None else (sim, _thread.rank)
+
+
+@contextlib.contextmanager
+def blocking() -> Iterator[None]:
+    """Around a wait outside any collective (a store's): a simulated rank hands its slot on while
+    it waits and queues for one after (`_Pace`); elsewhere nothing."""
+    sim = current()
+    if sim is None:
+        yield
+        return
+    simulation, rank = sim
+    simulation.pace.release(_ticket())
+    try:
+        yield
+    finally:
+        simulation.pace.run(simulation._check_abort, f"rank {rank}, after a wait outside the collectives")
 
 
 def simulate(world_size: int, fn: Callable[[int], Any]) -> list[Any]:
@@ -645,8 +662,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-__all__: Sequence[str] = ("BACKEND", "Simulation", "SimulatedGroup", "SimulationAborted", "current", "first_failure",
-                          "simulate")
+__all__: Sequence[str] = ("BACKEND", "Simulation", "SimulatedGroup", "SimulationAborted", "blocking", "current",
+                          "first_failure", "simulate")
 
 
 if __name__ == "__main__":

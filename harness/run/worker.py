@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -785,6 +786,23 @@ def _same_init_everywhere(case: Case, digest_hex: str, ctx: RankContext) -> None
                            f"a case must build the same model in every process (seed it, or give its weights)")
 
 
+_shared_inits: dict[Path, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+_shared_inits_lock = threading.Lock()
+
+
+def _load_init(path: Path, run_id: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The case's initial state (snapshot.py `load_init`). Simulated ranks share one process: the
+    file is read once for all of them, each rank given its own copies (W = 1024 reads of it were
+    most of a small cell's set-up)."""
+    if simulated.current() is None:
+        return load_init(path, run_id)
+    with simulated.blocking(), _shared_inits_lock:  # the first rank reads; the others wait without a slot
+        if path not in _shared_inits:
+            _shared_inits[path] = load_init(path, run_id)
+        state, buffers = _shared_inits[path]
+    return {n: t.clone() for n, t in state.items()}, {n: t.clone() for n, t in buffers.items()}
+
+
 def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: RankContext, cells_store: dist.Store,
                  init_dir: Path, snapshot_dir: Path, run_id: str, judge_here: bool = False) -> None:
     """Cell `i` of the launch in this rank's team: its started record, every optimizer's run and
@@ -801,7 +819,7 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
         init_digest = state_digest(init_state, init_buffers)
         _same_init_everywhere(case, init_digest, ctx)
     else:
-        init_state, init_buffers = load_init(init_dir / f"{case.name}.pt", run_id)
+        init_state, init_buffers = _load_init(init_dir / f"{case.name}.pt", run_id)
     start = time.perf_counter()
     # a single-process cell (the reference) runs on its team's rank 0 alone; judged on the ranks,
     # the team's other ranks step its perturbed runs beside it

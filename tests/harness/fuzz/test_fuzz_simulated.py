@@ -1,5 +1,6 @@
 """`python -m harness fuzz --backend simulated`: every example on simulated ranks at a W of its own,
-drawn up to --world-size ([Note: Fuzzing on simulated ranks], harness/fuzz/simulated.py)."""
+drawn up to --world-size, on a simulated pool of that W ([Note: Fuzzing on simulated ranks],
+harness/fuzz/simulated.py)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def test_simulated_fuzzing_refuses_what_it_cannot_run_before_any_rank(tmp_path):
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.slow
 def test_honest_examples_pass_at_world_sizes_drawn_up_to_32(tmp_path):
     proc = _fuzz("--world-size", "32", "--max-examples", "12", "--seed", "3", out=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -240,12 +240,15 @@ def reference_runs():
 
     case = get_case("mlp")
     init = {n: t.detach().clone() for n, t in case.build_model().state_dict().items()}
-    ref_cell = Cell("mlp", "single", 1, "identical", 4, is_reference=True)
+    # the world sizes of a default run (`Cell.serves`: the noise covers their identical-data reductions)
+    serves = (1, 2, 4, 8)
+    ref_cell = Cell("mlp", "single", 1, "identical", 4, is_reference=True, serves=serves)
     out = {}
     for spec in case.optimizers:
         ref = run_cell(ref_cell, spec, init, RankContext(0, 1, None), None)
         befores = [init] + [rec["params"] for rec in ref["steps"][:-1]]
-        out[spec.kind] = (ref, init, perturbed_runs(case, spec, init, befores, [99], torch.device("cpu"))[0])
+        out[spec.kind] = (ref, init, perturbed_runs(case, spec, init, befores, [99], torch.device("cpu"),
+                                                    world_sizes=serves)[0])
     return out
 
 

@@ -142,8 +142,10 @@ def test_no_more_ranks_run_at_once_than_the_pace_has_slots(monkeypatch, slots):
                 running[0] -= 1
         return t.item()
 
-    assert simulate(16, fn) == [16.0 ** 3] * 16
+    sim = simulated.Simulation(16)
+    assert sim.run(fn) == [16.0 ** 3] * 16
     assert most[0] <= 2, most[0]
+    assert sim.pace.free == slots  # every slot handed back: none lost to a rank made runnable before it blocked
 
 
 @pytest.mark.parametrize("stall_s", [0.5, pytest.param(1e9, marks=[pytest.mark.slow, pytest.mark.xfail(
