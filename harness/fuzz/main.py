@@ -40,8 +40,19 @@ def auto_pools(max_examples: int, threads: int, cores: int | None = None) -> int
     return max(1, min(MAX_POOLS, cores // threads))
 
 
+EXAMPLE_TIMEOUT_S = 60.0
+SIMULATED_SECONDS_PER_RANK = 0.3  # measured: a W = 1024 example of 3 steps took about 55 s on 2 cores
+
+
+def default_example_timeout(world_size: int, backend: str) -> float:
+    """--example-timeout's default: 60 s, or with simulated ranks, which take turns on this host's
+    cores, 0.3 s per rank of the largest W drawn if that is longer (about 5x what a W = 1024
+    example measured)."""
+    return max(EXAMPLE_TIMEOUT_S, SIMULATED_SECONDS_PER_RANK * world_size) if backend == "simulated" else EXAMPLE_TIMEOUT_S
+
+
 def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...], replay: str | None,
-         out_dir: Path, threads: int, example_timeout_s: float, progress: bool = True, impl: str = "ours",
+         out_dir: Path, threads: int, example_timeout_s: float | None, progress: bool = True, impl: str = "ours",
          pools: int | None = 1, backend: str = "gloo") -> bool:
     """True when every example passed (`pools` None: `auto_pools`). Library-level: raises
     UserError for bad arguments (before any rank starts), PoolLost when the infrastructure took a
@@ -51,6 +62,8 @@ def main(world_size: int, max_examples: int, seed: int, faults: tuple[str, ...],
         raise UserError(f"--max-examples={max_examples} must be >= 1")
     if threads < 1:
         raise UserError(f"--threads={threads} must be >= 1 (intra-op threads per rank)")
+    if example_timeout_s is None:  # the default: a simulated example's W threads take turns on these cores
+        example_timeout_s = default_example_timeout(world_size, backend)
     if not example_timeout_s > 0:
         raise UserError(f"--example-timeout={example_timeout_s} must be > 0 seconds")
     simulated = backend == "simulated"

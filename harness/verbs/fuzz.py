@@ -30,8 +30,9 @@ def add_parser(verbs) -> None:
     fuzz.add_argument("--pools", default="auto",
                       help="pools of W ranks training examples side by side (default auto: one per --threads cores, "
                            "up to 4, from 8 examples on; one below)")
-    fuzz.add_argument("--example-timeout", type=float, default=60.0,
-                      help="seconds per example before the pool is restarted (default 60)")
+    fuzz.add_argument("--example-timeout", type=float, default=None,
+                      help="seconds per example before the pool is restarted (default 60; with --backend "
+                           "simulated 0.3 s per rank of --world-size where that is longer)")
     fuzz.add_argument("--faults", default="", help=argparse.SUPPRESS)  # planted bugs: the fuzzer must fail
 
 

@@ -81,3 +81,11 @@ def test_a_fault_of_scale_passes_below_65_ranks_and_is_shrunk_to_w_65(tmp_path):
     at_64 = spec.replace('"world_size":65', '"world_size":64')
     below = _fuzz("--world-size", "64", "--replay", at_64, "--faults", "rank_index_in_6_bits", out=tmp_path / "r64")
     assert below.returncode == 0 and "[fuzz] replay: pass" in below.stdout, below.stdout[-2000:]
+
+
+def test_the_default_example_timeout_grows_with_the_simulated_world_size():
+    from harness.fuzz.main import default_example_timeout
+
+    assert default_example_timeout(4, "gloo") == default_example_timeout(16, "gloo") == 60.0
+    assert default_example_timeout(128, "simulated") == 60.0
+    assert default_example_timeout(1024, "simulated") > 5 * 55  # a W = 1024 example measured about 55 s here
