@@ -80,7 +80,12 @@ def test_every_world_size_in_one_launch_is_bitwise_a_launch_of_its_own(tmp_path)
     for rel in files:
         one = load_snapshot(tmp_path / "both" / rel)
         assert one["steps"] and one["init"]["params"]
-        assert _differences(one, load_snapshot(own[rel])) == [], rel
+        theirs = load_snapshot(own[rel])
+        # A reference names the world sizes it serves (the plan's: (1, 2) here, (2,) alone), which
+        # its noise covers; at W <= the batch they change no bit, which the tensors still show.
+        for snap in (one, theirs):
+            snap["cell"].pop("serves", None)
+        assert _differences(one, theirs) == [], rel
     # The comparison sees one flipped bit in one element of one step's shadow state.
     rel = Path("snapshots/mlp.fsdp2.w2.split/adamw.pt")
     damaged = load_snapshot(own[rel])
