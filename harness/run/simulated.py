@@ -60,18 +60,26 @@ class _Ticket:
     """A simulated rank's thread's own gate: closed while the thread waits, opened when it may run
     (a collective done, a slot free) or must stop (the simulation aborted)."""
 
-    __slots__ = ("gate", "slot")
+    __slots__ = ("gate", "slot", "thread")
 
     def __init__(self) -> None:
         self.gate = threading.Lock()
         self.gate.acquire()
         self.slot = False  # it holds one of the pace's slots
+        self.thread = threading.get_ident()  # made by its own thread (`_ticket`)
 
     def open(self) -> None:
         try:
             self.gate.release()
         except RuntimeError:
             pass  # open already
+
+    def cpu_s(self) -> float:
+        """The CPU time its thread has used (0 where it has ended or the platform cannot say)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self.thread))
+        except (AttributeError, OSError):
+            return 0.0
 
 
 def _ticket() -> _Ticket:
@@ -89,25 +97,37 @@ class _Pace:
     for Python's lock at every kernel call (each call releases it): at W = 256 a simulation spent
     more time in the kernel's futex calls than in the ranks' code. So the rank that computes a
     collective hands the waiting ranks to this queue instead of waking them, and a rank passes its
-    slot on when it blocks (at a collective, a receive, its end). A rank blocked where this cannot
-    see (a store's wait, a lock of the code under test) keeps its slot; when no slot has moved for
-    STALL_S, a waiting rank runs without one: slower, never stuck."""
+    slot on when it blocks (at a collective, a receive, its end, `blocking()`).
+
+    A rank blocked where this cannot see (a lock of the code under test, a wait nobody wrapped in
+    `blocking()`) keeps its slot. When no slot has moved for STALL_S and the holders' threads used
+    less than STALL_CPU_SHARE of that time on a CPU (they are blocked, not merely slow: a holder
+    starved of CPU by other processes still advances), the pace lends the waiting ranks slots of
+    its own, one at the first stall and twice as many at each stall after it (so W ranks all
+    blocked that way run within log2(W) stalls); a lent slot goes back at the next releases.
+    Slower, never stuck, and never a herd while any holder computes."""
 
     STALL_S = 0.5
+    STALL_CPU_SHARE = 0.02
 
     def __init__(self, slots: int) -> None:
         self.lock = threading.Lock()
         self.free = slots
+        self.lent = 0  # slots lent beyond `slots`: the next releases take them back
+        self.lend_next = 1
         self.ready: collections.deque[_Ticket] = collections.deque()
+        self.holders: set[_Ticket] = set()
         self.moved = time.monotonic()
+        self.cpu_mark: float | None = None  # the holders' CPU time when last seen advancing
 
     def _dispatch(self) -> None:  # under self.lock
         while self.free and self.ready:
             ticket = self.ready.popleft()
             self.free -= 1
             ticket.slot = True
+            self.holders.add(ticket)
             ticket.open()
-        self.moved = time.monotonic()
+        self.moved, self.cpu_mark = time.monotonic(), None
 
     def runnable(self, tickets: list[_Ticket]) -> None:
         with self.lock:
@@ -119,21 +139,42 @@ class _Pace:
         with self.lock:
             if ticket.slot:
                 ticket.slot = False
-                self.free += 1
+                self.holders.discard(ticket)
+                if self.lent:
+                    self.lent -= 1
+                else:
+                    self.free += 1
+                    self.lend_next = 1  # a slot came back on its own: the holders are not all stuck
                 self._dispatch()
+
+    def _stalled(self) -> bool:  # under self.lock
+        now = time.monotonic()
+        if not self.ready or now - self.moved <= self.STALL_S:
+            return False
+        cpu = sum(t.cpu_s() for t in self.holders)
+        if self.cpu_mark is None or cpu - self.cpu_mark > self.STALL_CPU_SHARE * (now - self.moved):
+            self.moved, self.cpu_mark = now, cpu  # the holders run: measure the next STALL_S from here
+            return False
+        return True
+
+    def _lend(self) -> None:  # under self.lock, stalled
+        n = min(self.lend_next, len(self.ready))
+        self.lent += n
+        self.free += n
+        self.lend_next *= 2
+        self._dispatch()
 
     def wait(self, ticket: _Ticket, check: Callable[[], None], what: str) -> None:
         """Until `ticket` is opened (`check` raises when the simulation aborted)."""
-        waited = 0.0
-        while not ticket.gate.acquire(timeout=1.0):
+        start = time.monotonic()
+        while not ticket.gate.acquire(timeout=self.STALL_S):
             check()
-            waited += 1.0
+            waited = time.monotonic() - start
             if waited > RENDEZVOUS_TIMEOUT_S:
                 raise SimulationAborted(f"{what}: waited {waited:.0f} s")
             with self.lock:
-                if ticket in self.ready and time.monotonic() - self.moved > self.STALL_S:
-                    self.ready.remove(ticket)  # the slots' holders are blocked elsewhere: run without one
-                    return
+                if self._stalled():
+                    self._lend()
 
     def run(self, check: Callable[[], None], what: str) -> None:
         """This thread becomes runnable: wait for a slot."""
@@ -399,7 +440,11 @@ class Simulation:
                 self._rendezvous[token] = _Rendezvous(size, self.abort, self.pace)
             store.set(_RENDEZVOUS_KEY, token)
         else:
-            store.wait([_RENDEZVOUS_KEY])
+            self.pace.release(_ticket())  # rank 0 may be waiting for a slot: hand this one on
+            try:
+                store.wait([_RENDEZVOUS_KEY])
+            finally:
+                self.pace.run(self._check_abort, f"rank {rank}, joining a group")
             token = store.get(_RENDEZVOUS_KEY).decode()
         with self._rdv_lock:
             return SimulatedGroup(rank, size, self._rendezvous[token])

@@ -672,6 +672,12 @@ def perturbed_runs(case: Case, spec: OptimizerSpec, init_state: dict[str, torch.
 SEGMENT_WAIT = timedelta(hours=24)
 
 
+def _store_wait(store: dist.Store, keys: list[str]) -> None:
+    """store.wait(keys), a simulated rank's slot handed on while it waits (`simulated.blocking`)."""
+    with simulated.blocking():
+        store.wait(keys, SEGMENT_WAIT)
+
+
 def _launch_store() -> dist.Store:
     """The launch's store: torchrun's (`_torchrun_store`), or a simulated launch's, which its ranks
     share in one process (harness/run/simulated.py)."""
@@ -699,12 +705,12 @@ def _cell_record(store: dist.Store, index: int, ctx: RankContext):
     (torchrun stops the others), as it would in a barrier."""
     store.set(f"{index}/done/{ctx.rank}", "1")
     if ctx.rank == 0:
-        store.wait([f"{index}/done/{r}" for r in range(ctx.world_size)], SEGMENT_WAIT)
+        _store_wait(store, [f"{index}/done/{r}" for r in range(ctx.world_size)])
         yield True
         store.set(f"{index}/recorded", "1")
     else:
         yield False
-        store.wait([f"{index}/recorded"], SEGMENT_WAIT)
+        _store_wait(store, [f"{index}/recorded"])
 
 
 def num_teams(launch_world_size: int, world_size: int, max_teams: int) -> int:
@@ -722,7 +728,7 @@ def _join_world(world: RankContext, world_size: int, segment: int, backend: str,
         dist.destroy_process_group()
     store = dist.PrefixStore(f"harness/segment{segment}", _launch_store())
     store.set(f"arrived/{world.rank}", "1")
-    store.wait([f"arrived/{r}" for r in range(world.world_size)], SEGMENT_WAIT)
+    _store_wait(store, [f"arrived/{r}" for r in range(world.world_size)])
     team = world.rank // world_size
     if team >= num_teams(world.world_size, world_size, max_teams):
         return None, -1
@@ -750,6 +756,7 @@ def _claims(segment: int, team: int, ctx: RankContext, num_cells: int):
         key = f"team{team}/{j}"
         if ctx.rank == 0:
             store.set(key, str(store.add("next", 1) - 1))
+        _store_wait(store, [key])
         k = int(store.get(key))
         if k >= num_cells:
             return
@@ -769,7 +776,7 @@ def _import_dynamo_in_turn(world: RankContext, sizes: list[int], max_teams: int)
     before = max((w for w in sizes if w < first), default=0)
     store = dist.PrefixStore("harness/dynamo", _launch_store())
     if before:
-        store.wait([f"imported/{r}" for r in range(before)], SEGMENT_WAIT)
+        _store_wait(store, [f"imported/{r}" for r in range(before)])
     import torch._dynamo  # noqa: F401
 
     store.set(f"imported/{world.rank}", "1")
@@ -838,7 +845,7 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
         if snapshot is not None and shares and snapshot["envelopes"] is not None and snapshot["error"] is None:
             for rank in range(1, ctx.world_size):
                 if perturbed_seeds(rank, ctx.world_size):
-                    perturbed_store.wait([f"{spec.kind}/{rank}"], SEGMENT_WAIT)
+                    _store_wait(perturbed_store, [f"{spec.kind}/{rank}"])
                     theirs = decode(perturbed_store.get(f"{spec.kind}/{rank}"))
                     snapshot["envelopes"] = merge_envelopes(snapshot["envelopes"], theirs)
         if snapshot is not None and judge_here:

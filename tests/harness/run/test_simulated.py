@@ -149,12 +149,12 @@ def test_no_more_ranks_run_at_once_than_the_pace_has_slots(monkeypatch, slots):
 
 
 @pytest.mark.parametrize("stall_s", [0.5, pytest.param(1e9, marks=[pytest.mark.slow, pytest.mark.xfail(
-    strict=True, reason="planted: no stall escape (12 s)")])])
+    strict=True, reason="planted: no lending (18 s)")])])
 def test_ranks_blocked_outside_any_collective_do_not_starve_the_rank_they_wait_for(monkeypatch, stall_s):
     """Every rank but the last waits for an event only the last one sets, outside any collective
-    (as a store's wait is): the slots' holders block, and the ranks waiting for a slot run without
-    one once no slot has moved for STALL_S, so the event is set while they still wait. Planted:
-    no escape, and the first ranks time out before the last one ever runs."""
+    (as a store's wait is): the slots' holders block, and the ranks waiting for a slot run on slots the pace lends once no slot has moved for STALL_S and the holders' threads used no CPU,
+    so the event is set while they still wait. Planted: no lending, and the first ranks time out
+    before the last one ever runs."""
     import threading
 
     from harness.run.simulated import _Pace
@@ -166,9 +166,41 @@ def test_ranks_blocked_outside_any_collective_do_not_starve_the_rank_they_wait_f
         if rank == 7:
             event.set()
             return True
-        return event.wait(timeout=4)
+        return event.wait(timeout=6)
 
     assert simulate(8, fn) == [True] * 8
+
+
+@pytest.mark.parametrize("cpu_share", [0.02, pytest.param(float("inf"), marks=pytest.mark.xfail(
+    strict=True, reason="planted: a stall read from the clock alone"))])
+def test_holders_that_compute_longer_than_a_stall_get_no_herd_beside_them(monkeypatch, cpu_share):
+    """The slots' holders compute for several STALL_S without a collective (as a slow rank starved of
+    CPU by other processes does): their threads' CPU clocks advance, so the pace lends no slot and
+    no more ranks than the slots ever run at once. Planted: a stall read from the wall clock alone
+    (any CPU share counts as blocked), and the waiting ranks run beside them."""
+    import threading
+
+    from harness.run import simulated
+
+    monkeypatch.setattr(simulated._Pace, "STALL_CPU_SHARE", cpu_share)
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def fn(rank):
+        dist.all_reduce(torch.ones(1))
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        end = time.monotonic() + 3 * simulated._Pace.STALL_S
+        while time.monotonic() < end:
+            pass
+        with lock:
+            running[0] -= 1
+        return True
+
+    sim = simulated.Simulation(4)
+    assert sim.run(fn) == [True] * 4
+    assert most[0] <= 2, most[0]
+    assert sim.pace.free == simulated.PACE_SLOTS and sim.pace.lent == 0
 
 
 @pytest.mark.slow
