@@ -109,6 +109,7 @@ class _Pace:
 
     STALL_S = 0.5
     STALL_CPU_SHARE = 0.02
+    POLL_S = 5.0
 
     def __init__(self, slots: int) -> None:
         self.lock = threading.Lock()
@@ -119,6 +120,8 @@ class _Pace:
         self.holders: set[_Ticket] = set()
         self.moved = time.monotonic()
         self.cpu_mark: float | None = None  # the holders' CPU time when last seen advancing
+        self.waiting: set[_Ticket] = set()
+        self.aborted = False
 
     def _dispatch(self) -> None:  # under self.lock
         while self.free and self.ready:
@@ -165,13 +168,36 @@ class _Pace:
         self._dispatch()
 
     def wait(self, ticket: _Ticket, check: Callable[[], None], what: str) -> None:
-        """Until `ticket` is opened (`check` raises when the simulation aborted)."""
-        start = time.monotonic()
-        while not ticket.gate.acquire(timeout=self.STALL_S):
-            check()
-            waited = time.monotonic() - start
-            if waited > RENDEZVOUS_TIMEOUT_S:
-                raise SimulationAborted(f"{what}: waited {waited:.0f} s")
+        """Until `ticket` is opened (`check` raises when the simulation aborted: `abort` opens every
+        waiting ticket). A waiting thread wakes only every POLL_S on its own: W threads polling
+        often cost the running ones Python's lock W times as often (the stall is watched by one
+        thread, `watch`)."""
+        with self.lock:
+            self.waiting.add(ticket)
+            if self.aborted:
+                ticket.open()
+        try:
+            start = time.monotonic()
+            while not ticket.gate.acquire(timeout=self.POLL_S):
+                check()
+                waited = time.monotonic() - start
+                if waited > RENDEZVOUS_TIMEOUT_S:
+                    raise SimulationAborted(f"{what}: waited {waited:.0f} s")
+        finally:
+            with self.lock:
+                self.waiting.discard(ticket)
+        check()
+
+    def abort(self) -> None:
+        """Open every waiting ticket (their threads raise in `check`), now and from now on."""
+        with self.lock:
+            self.aborted = True
+            for ticket in self.waiting:
+                ticket.open()
+
+    def watch(self, stop: threading.Event) -> None:
+        """A simulation's watcher thread: lend slots while the holders are stalled (`_stalled`)."""
+        while not stop.wait(self.STALL_S / 2):
             with self.lock:
                 if self._stalled():
                     self._lend()
@@ -520,6 +546,7 @@ class Simulation:
         with self._rdv_lock:
             for rdv in self._rendezvous.values():
                 rdv.broken()
+        self.pace.abort()
 
     def init_rank(self) -> None:
         """This thread's default process group (a simulated rank's thread only)."""
@@ -555,12 +582,16 @@ class Simulation:
 
         threads = [threading.Thread(target=rank_main, args=(r,), name=f"simulated-rank-{r}", daemon=True)
                    for r in range(self.world_size)]
+        stop_watch = threading.Event()
+        watcher = threading.Thread(target=self.pace.watch, args=(stop_watch,), name="simulated-pace", daemon=True)
         try:
+            watcher.start()
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
         finally:
+            stop_watch.set()
             self._uninstall()
             with Simulation._lock:
                 Simulation._current = None
