@@ -144,20 +144,22 @@ def run_simulated(request: dict) -> dict:
     world_size = ModelSpec.from_json(request["spec"]).world_size
     sim = simulated.Simulation(world_size)
     replies: list[dict | None] = [None] * world_size
+    stopped = [False] * world_size  # its error came after another rank's had stopped the simulation
 
     def rank_main(rank: int) -> None:
         ctx = RankContext(rank, world_size, dist.group.WORLD, torch.device("cpu"))
         replies[rank] = reply = serve(request, ctx, time.thread_time)  # a rank's CPU is its thread's
         if "error" in reply:
+            stopped[rank] = sim.abort.is_set()
             sim.cancel()  # the others would wait for this rank at their next collective
 
     try:
         sim.run(rank_main)
     except RuntimeError as e:  # a rank failed outside `serve` (joining its group)
         return {"error": f"simulated W={world_size}: {e}"}
-    errors = [r["error"] for r in replies if "error" in r]
-    own = [e for e in errors if simulated.SimulationAborted.__name__ not in e]
-    return {"error": "\n".join((own or errors)[:3])} if errors else {"replies": replies}
+    failed = [r for r in range(world_size) if "error" in replies[r]]
+    own = [r for r in failed if not stopped[r]]
+    return {"error": "\n".join(replies[r]["error"] for r in (own or failed)[:3])} if failed else {"replies": replies}
 
 
 def main(argv: list[str]) -> int:

@@ -89,3 +89,33 @@ def test_the_default_example_timeout_grows_with_the_simulated_world_size():
     assert default_example_timeout(4, "gloo") == default_example_timeout(16, "gloo") == 60.0
     assert default_example_timeout(128, "simulated") == 60.0
     assert default_example_timeout(1024, "simulated") > 5 * 55  # a W = 1024 example measured about 55 s here
+
+
+@pytest.mark.parametrize("stopped_says", ["SimulationAborted: another simulated rank failed", "collective failed"])
+def test_a_simulated_example_fails_with_the_error_of_the_rank_that_failed_first(monkeypatch, stopped_says):
+    """Rank 3 fails on its own while the others wait for it in a collective; they are stopped and
+    fail too. The example's error is rank 3's alone, whatever the stopped ranks' errors say (an
+    implementation may wrap SimulationAborted in its own message: the second case, which reading
+    the class name out of the messages attributed to rank 0)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from harness.fuzz import worker
+    from harness.fuzz.strategies import warm_up_spec
+
+    spec = warm_up_spec(6)  # only its world size is read
+
+    def serve(request, ctx, clock):
+        if ctx.rank == 3:
+            time.sleep(0.3)  # the others wait in the collective by now
+            return {"error": "rank 3: ValueError: its own failure"}
+        try:
+            dist.all_reduce(torch.ones(1))
+        except Exception:
+            return {"error": f"rank {ctx.rank}: {stopped_says}"}
+        return {"ok": True}
+
+    monkeypatch.setattr(worker, "serve", serve)
+    assert worker.run_simulated({"spec": spec.to_json()}) == {"error": "rank 3: ValueError: its own failure"}
