@@ -185,9 +185,10 @@ class Shadow:
                  init_buffers: dict[str, torch.Tensor] | None = None,
                  record_device: torch.device = torch.device("cpu"), world_sizes: Sequence[int] = ()) -> None:
         self.case = case
-        # The world sizes of the cells this shadow's noise must cover (`_amplitude`); none given:
-        # every one the case declares.
-        self.world_sizes = tuple(world_sizes) or tuple(case.world_sizes)
+        # The world sizes of the cells this shadow's noise must cover (`_amplitude`): the noise is
+        # not measured without them (the case's declared sizes, to 1024 in the catalog, would make
+        # it far looser than the cells judged need).
+        self.world_sizes = tuple(world_sizes)
         features = case.features
         plain = replay_model(case, init_state, init_buffers, device)
         self.params = dict(plain.named_parameters())
@@ -493,6 +494,9 @@ class Shadow:
         # micro-batch of it), whose mean |term| is at most the per-sample mean |g_b|, and the honest
         # fold of W x M of them makes W x M - 1 roundings, more than K = B allows once W x M > B
         # (a W = 256 cell of a batch of 8).
+        if not self.world_sizes:
+            raise ValueError("Shadow: the noise's amplitude needs the world sizes of the cells it covers "
+                             "(world_sizes=...); none were given")
         identical_terms = max(self.world_sizes) * self.num_micro if "identical" in self.case.data_modes else 0
         model = ReductionModel(max(num_samples, identical_terms), u, precision.casts,
                                max(precision.eta, underflow_error(features.compute_dtype)))

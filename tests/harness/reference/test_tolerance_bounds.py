@@ -314,3 +314,18 @@ def test_the_noise_covers_identical_data_folded_over_more_ranks_than_samples(cas
     assert all(bool((e <= served[256][n]).all()) for n, e in errors.items())
     escaping = sum(int((e > served[8][n]).sum()) for n, e in errors.items())
     assert escaping > 0
+
+
+def test_the_noise_is_not_measured_without_the_world_sizes_it_covers():
+    """A shadow told no world sizes refuses to measure the noise (it used to take the case's
+    declared sizes, to 1024 in the catalog: a noise about 100x looser than a default run's cells
+    need); a shadow told them measures it."""
+    from harness.reference.shadow import Shadow
+
+    case = get_case("mlp")
+    init = {n: t.detach().clone() for n, t in case.build_model().state_dict().items()}
+    batch = case.make_batch(case.seed, 1, case.global_batch)
+    spec = case.optimizers[0]
+    with pytest.raises(ValueError, match="world sizes of the cells it covers"):
+        Shadow(case, spec, init).noise_amplitude(init, batch)
+    assert Shadow(case, spec, init, world_sizes=(1, 2)).noise_amplitude(init, batch)
