@@ -341,14 +341,17 @@ class FlatParamHandle:
                 local[pad_start:pad_end] = fill
         return local
 
-    def check_materialized(self, unit_name: str) -> None:
+    def check_materialized(self, unit_name: str, prefix: str = "") -> None:
+        """Raise if the unit's parameters are still on the meta device (named from the root: `prefix`
+        is the unit's name in it)."""
         self.bind_pieces()
         if self.sharded.is_meta:
             raise RuntimeError(
-                f"rank {dist.get_rank() if dist.is_initialized() else 0}: unit '{unit_name}' is "
-                f"still on the meta device at forward; parameters never materialised: "
-                f"{self.fqns}. Fix: call impl.init_meta_module(model, device) (to_empty() plus "
-                f"each module's reset_parameters()) or load a state dict before the first forward."
+                f"FSDP parameters should be materialized from meta device before training, but the "
+                f"following were still on meta device: {[prefix + fqn for fqn in self.fqns]} (unit "
+                f"'{unit_name}', rank {dist.get_rank() if dist.is_initialized() else 0}). Fix: call "
+                f"impl.init_meta_module(model, device) (to_empty() plus each module's reset_parameters()) "
+                f"or load a state dict before the first forward."
             )
 
     # -- unshard / reshard ----------------------------------------------------------------------

@@ -125,6 +125,9 @@ class FSDPUnit:
         self.training_state = TrainingState.IDLE  # moved by `_enter` only ([Note: Unit lifecycle])
         self.name = type(module).__name__
         self.is_root: bool | None = None  # decided at the first forward
+        # Errors of parameters this unit's modules share with another unit, raised at the root's
+        # first forward (as FSDP2 raises them): set by fully_shard.
+        self.conflicts: list[str] = []
         self.root: FSDPUnit | None = None  # the root unit above this one, set at the root's first forward
         self.all_units: list[FSDPUnit] = []  # the root's view of every unit below it
         self._finalize_queued = False
@@ -164,6 +167,9 @@ class FSDPUnit:
                     )
                 unit.is_root = False
             self.all_units.append(unit)
+        for unit in self.all_units:
+            if unit.conflicts:
+                raise ValueError(unit.conflicts[0])
 
     def _root_queue_finalize(self) -> None:
         root = self.root_unit
@@ -252,7 +258,7 @@ class FSDPUnit:
             if len(self.members) > 1:
                 self._to_run = {id(m) for m in self.members}
         for handle in self.handles:
-            handle.check_materialized(self.name)
+            handle.check_materialized(self.name, "" if self.is_root else f"{self.name}.")
             if handle.state == HandleState.SHARDED:
                 handle.zero_sharded_padding_()
             handle.unshard()

@@ -202,8 +202,14 @@ def _groups_from_mesh(mesh) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup
     if mesh.ndim == 1:
         return mesh.get_group(0), None
     if mesh.ndim == 2:
+        # As FSDP2: an HSDP mesh names its dimensions (a mesh built for another purpose, say
+        # (tensor parallel, data parallel), would otherwise be read as (replicate, shard)).
+        if not mesh.mesh_dim_names:
+            raise AssertionError(f"Please init the 2D mesh for HSDP with mesh_dim_names specified (the "
+                                 f"dimensions are read as (replicate, shard)); got {mesh!r}")
         return mesh.get_group(1), mesh.get_group(0)
-    raise ValueError(f"mesh.ndim={mesh.ndim}: expected 1 (shard) or 2 (replicate, shard)")
+    raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh!r} (mesh.ndim={mesh.ndim}): "
+                     f"1-D shards over it, 2-D is (replicate, shard)")
 
 
 def _drop_trivial(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -296,7 +302,7 @@ def fully_shard(
             post_forward_size = n
         reshard_after_forward = n > 1  # 1: keep the parameters (FSDP2 warns and does so); S: True
 
-    owners, params = _collect_params(members, seams, what)
+    owners, params, conflicts = _collect_params(members, seams, what)
     seams.wrapped_buffers([b for member in members for _, sub in _unwrapped_modules(member)
                            for b in sub.buffers(recurse=False)])
     comm = CommConfig(
@@ -325,6 +331,7 @@ def fully_shard(
         cast_outputs_to=mp_policy.output_dtype,
         members=members,
     )
+    unit.conflicts = conflicts
     from impl._state_dict import register_state_dict_hooks
 
     for j, member in enumerate(members):
@@ -396,25 +403,30 @@ def _describe(members: list[nn.Module]) -> str:
 
 def _collect_params(
     members: list[nn.Module], seams: Seams, what: str
-) -> tuple[list[list[tuple[nn.Module, str, str, int]]], list[nn.Parameter]]:
+) -> tuple[list[list[tuple[nn.Module, str, str, int]]], list[nn.Parameter], list[str]]:
     """Parameters the members own (skipping wrapped sub-modules), deduplicated, with every name
-    (relative to its member) and the member's index."""
+    (relative to its member) and the member's index; and the errors for parameters another unit
+    owns already (raised at the root's first forward)."""
     params: list[nn.Parameter] = []
     owners: list[list[tuple[nn.Module, str, str, int]]] = []
     index_of: dict[int, int] = {}
+    conflicts: list[str] = []
     for j, fqn, sub, name, param in ((j, *o) for j, m in enumerate(members) for o in _owned_params(m)):
         if getattr(param, _IGNORED_ATTR, False):
             continue  # ignored_params: left as it is
         if hasattr(param, _OWNER_ATTR):
-            raise ValueError(
-                f"fully_shard({what}): parameter '{fqn}' is already sharded by "
-                f"another unit ({getattr(param, _OWNER_ATTR)}). A parameter shared across two "
-                f"wrapped units is not supported; wrap a common ancestor of both uses instead "
-                f"(e.g. keep tied embedding and output head in the same unit)."
+            # Raised at the root's first forward, as FSDP2 does (`FSDPUnit._lazy_init`); the
+            # parameter stays with the unit that took it first.
+            conflicts.append(
+                f"fully_shard({what}): parameter '{fqn}' is already managed by another unit "
+                f"({getattr(param, _OWNER_ATTR)}). A parameter shared across two wrapped units is not "
+                f"supported; wrap both uses in one unit (fully_shard([embedding, head]) or a common ancestor)."
             )
+            continue
         if not param.is_contiguous():
             raise NotImplementedError(
-                f"fully_shard({what}): parameter '{fqn}' is not contiguous (shape "
+                f"FSDP does not support non-contiguous parameters: fully_shard({what}): parameter '{fqn}' "
+                f"is not contiguous (shape "
                 f"{tuple(param.shape)}, strides {param.stride()}; channels_last, a transposed view): its "
                 f"unsharded view would be contiguous, so its memory format would change silently. Fix: make it "
                 f"contiguous first (FSDP2 refuses it too)."
@@ -430,15 +442,18 @@ def _collect_params(
         index_of[id(param)] = len(params)
         params.append(param)
         owners.append([(sub, name, fqn, j)])
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        by_dtype = {str(d): [o[0][2] for o, p in zip(owners, params) if p.dtype == d][:3] for d in dtypes}
-        raise ValueError(
-            f"fully_shard({what}): parameters of several dtypes in one unit "
-            f"{by_dtype}; one flat parameter needs one dtype. Fix: wrap them in separate units "
-            f"or cast the module to one dtype first."
-        )
-    return owners, params
+    # One flat parameter per unit for the trainable parameters, one for the frozen ones: each one dtype.
+    for requires_grad in (True, False):
+        dtypes = {p.dtype for p in params if p.requires_grad == requires_grad}
+        if len(dtypes) > 1:
+            by_dtype = {str(d): [o[0][2] for o, p in zip(owners, params) if p.dtype == d
+                                 and p.requires_grad == requires_grad][:3] for d in dtypes}
+            raise ValueError(
+                f"fully_shard({what}): {'trainable' if requires_grad else 'frozen'} parameters of several "
+                f"dtypes in one unit {by_dtype}; one flat parameter needs one dtype. Fix: wrap them in "
+                f"separate units or cast the module to one dtype first."
+            )
+    return owners, params, conflicts
 
 
 def _check_placements(module: nn.Module, shard_placement_fn, what: str) -> None:

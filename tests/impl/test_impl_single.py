@@ -123,7 +123,7 @@ def test_forward_on_meta_names_the_parameters():
     with torch.device("meta"):
         model = MLP()
     wrap_nested(model)
-    with pytest.raises(RuntimeError, match=r"layers\.0.*never materialised.*'weight'"):
+    with pytest.raises(RuntimeError, match=r"still on meta device: \['layers\.0\.weight', 'layers\.0\.bias'\] \(unit 'layers\.0'"):
         model(torch.randn(2, 13))
 
 
@@ -152,11 +152,31 @@ def test_wrapping_child_after_parent_is_refused():
         fully_shard(model.layers[0])
 
 
-def test_parameter_shared_across_units_is_refused():
+def test_parameter_shared_across_units_is_refused_at_the_first_forward():
+    """As FSDP2: wrapping the second use is allowed, the root's first forward raises."""
     model = TransformerLM(TransformerConfig(tie_weights=True))
     fully_shard(model.tok_emb)
-    with pytest.raises(ValueError, match=r"'weight' is already sharded by another unit"):
-        fully_shard(model.head)
+    fully_shard(model.head)
+    fully_shard(model)
+    x, _ = lm_batch(0)
+    with pytest.raises(ValueError, match=r"'weight' is already managed by another unit \(Embedding\)"):
+        model(x)
+
+
+def test_frozen_parameters_of_another_dtype_have_their_own_flat_parameter():
+    """As FSDP2 accepts: the trainable and the frozen parameters are two flat parameters, each of
+    one dtype (a frozen float64 weight beside float32 trainable ones); forward works."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].weight.requires_grad_(False)
+    model[1].weight.data = model[1].weight.data.double()
+    ref = copy.deepcopy(model)
+    fully_shard(model)
+    dtypes = {h.param_name: h.sharded.dtype for h in model.fsdp_unit().handles}
+    assert dtypes == {"_flat_param": torch.float32, "_flat_param_frozen": torch.float64}, dtypes
+    got = impl.full_state_dict(model)
+    for n, t in ref.state_dict().items():
+        assert torch.equal(got[n], t) and got[n].dtype == t.dtype, n
 
 
 def test_tied_parameter_inside_one_unit_is_one_slot():
@@ -181,7 +201,7 @@ def test_integer_parameter_is_refused():
 
 def test_mixed_dtypes_in_one_unit_are_refused():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
-    with pytest.raises(ValueError, match=r"several dtypes in one unit"):
+    with pytest.raises(ValueError, match=r"trainable parameters of several dtypes in one unit"):
         fully_shard(model)
 
 
