@@ -102,9 +102,12 @@ views are one `torch.split` of it: no copy, no collective, and gradients accumul
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -221,6 +224,8 @@ class FlatParamHandle:
         # (FSDPModule.set_reshard_after_backward: accumulation, no optimizer step in between).
         self.reshard_after_backward = True
         self.divide_factor: float | None = None  # the reduced sum's divisor, if not the data-parallel size
+        # FSDPModule.set_all_reduce_hook: (hook, stream) called on the averaged shard gradient.
+        self.all_reduce_hook: tuple[Callable[[torch.Tensor], None], Any] | None = None
         # HSDP: False keeps each reduce-scattered sum here, unaveraged, until a reduction with True
         # all-reduces them all at once (FSDPModule.set_requires_all_reduce).
         self.requires_all_reduce = True
@@ -628,6 +633,11 @@ class FlatParamHandle:
         elif divisor > 1:
             sharded_grad.div_(divisor)
         c.seams.averaged(sharded_grad, self, c)
+        if self.all_reduce_hook is not None:
+            hook, stream = self.all_reduce_hook
+            module = None if stream is None else torch.get_device_module(stream.device.type)
+            with contextlib.nullcontext() if module is None else module.stream(stream):
+                hook(sharded_grad)
         padding = self.layout.local_padding_intervals(c.groups.shard_rank)
         fill = c.seams.gradient_padding_value(0.0)
         if fill == 0.0:

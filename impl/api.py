@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -136,6 +136,21 @@ class FSDPModule:
                              "group): its gradients are autograd's own; scale the loss instead")
         for handle in self.fsdp_unit().handles:
             handle.divide_factor = float(factor)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """Call `hook(grad)` on this unit's reduced gradient, this rank's flat shard of it, once it
+        is averaged (after the reduce-scatter, and after the all-reduce over the replicas where the
+        unit has them) and before it is added into the parameters' gradients: the hook may change it
+        in place (e.g. all-reduce it over a group of the caller's own, FSDP2's custom HSDP). `stream`
+        (an accelerator stream) is the one it runs on; not with a native replicate group."""
+        handles = self.fsdp_unit().handles
+        if stream is not None and any(h.comm.groups.replicate_group is not None for h in handles):
+            raise ValueError("stream cannot be set when using native HSDP")
+        if any(h._aliased for h in handles):
+            raise ValueError("set_all_reduce_hook: this unit has no data-parallel reduction (one rank, no group): "
+                             "its gradients are autograd's own and the hook would never run")
+        for handle in handles:
+            handle.all_reduce_hook = (hook, stream)
 
     def _units(self, recurse: bool) -> list[FSDPUnit]:
         modules = self.modules() if recurse else [self]

@@ -107,6 +107,17 @@ def test_hsdp_accumulation_all_reduces_once_with_set_requires_all_reduce(tmp_pat
 
 
 @pytest.mark.slow
+def test_an_all_reduce_hook_over_the_replicas_gives_native_hsdp_bitwise(tmp_path):
+    """tests/rank_scripts/impl_all_reduce_hook.py at W = 4: sharded over pairs of ranks, with
+    `set_all_reduce_hook` all-reducing each shard gradient over the other pair (FSDP2's custom
+    HSDP), the gradients are native HSDP's on a (2, 2) mesh bitwise; the same model without the
+    hook (the planted side: the hook not applied) differs."""
+    for rank in run_rank_script("impl_all_reduce_hook.py", 4, tmp_path):
+        assert rank["hook_calls"] > 0 and rank["nonzero"], rank
+        assert rank["bitwise_native"] and rank["without_hook_differs"], rank
+
+
+@pytest.mark.slow
 def test_module_groups_gather_as_fsdp2(tmp_path):
     """tests/rank_scripts/impl_module_groups.py at W = 2: a tied LM with [tok_emb, head] one group
     ([Note: Module groups]) trains as torch FSDP2 trains it (the same losses and parameters to float32

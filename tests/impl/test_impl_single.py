@@ -236,3 +236,10 @@ def test_gradient_accumulation_without_sync_equals_plain_accumulation():
     grads = impl.full_grad_dict(ours)
     for name, param in ref.named_parameters():
         assert torch.equal(grads[name], param.grad), name
+
+
+def test_an_all_reduce_hook_on_a_unit_without_reduction_is_refused():
+    """One rank, no group: gradients are autograd's own and a hook would never run, silently."""
+    model = fully_shard(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="set_all_reduce_hook: this unit has no data-parallel reduction"):
+        model.set_all_reduce_hook(lambda grad: None)
