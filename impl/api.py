@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -269,9 +270,8 @@ def fully_shard(
     offload_policy: OffloadPolicy() keeps the shards where they are (the default); CPUOffloadPolicy()
         keeps them on the CPU, all-gathered onto its compute device for compute.
     comm_stats: counts the bytes of every collective this unit issues.
-    shard_placement_fn: FSDP2's per-parameter placement; impl shards one flat parameter per unit, so
-        it accepts a function answering None or Shard(0) for every parameter (what flat sharding
-        computes alike) and refuses any other placement.
+    shard_placement_fn: FSDP2's per-parameter placement (None or Shard(dim)), validated as FSDP2
+        does; impl shards one flat parameter per unit whatever it answers (`_check_placements`).
     ignored_params: parameters left as they are: not sharded, not gathered, their gradients not
         reduced (the caller keeps them in step across ranks), skipped by enclosing units too.
     """
@@ -293,8 +293,6 @@ def fully_shard(
             )
     for param in ignored_params or ():
         setattr(param, _IGNORED_ATTR, True)
-    for member in members:
-        _check_placements(member, shard_placement_fn, what)
     seams = seams_for(frozenset(_faults))
     mp_policy = mp_policy or MixedPrecisionPolicy()
     if mesh is not None:
@@ -317,6 +315,8 @@ def fully_shard(
             post_forward_size = n
         reshard_after_forward = n > 1  # 1: keep the parameters (FSDP2 warns and does so); S: True
 
+    for member in members:
+        _check_placements(member, shard_placement_fn, shard_world_size, what)
     owners, params, conflicts = _collect_params(members, seams, what)
     seams.wrapped_buffers([b for member in members for _, sub in _unwrapped_modules(member)
                            for b in sub.buffers(recurse=False)])
@@ -471,20 +471,43 @@ def _collect_params(
     return owners, params, conflicts
 
 
-def _check_placements(module: nn.Module, shard_placement_fn, what: str) -> None:
-    """shard_placement_fn: None, or an answer of None or Shard(0) for every parameter (impl's flat
-    sharding); any other placement is refused, naming the parameter."""
+def _check_placements(module: nn.Module, shard_placement_fn, shard_world_size: int, what: str) -> None:
+    """shard_placement_fn's answer for every parameter, validated as FSDP2 validates it: None or
+    Shard(d) with d a dimension of the parameter, a dimension other than 0 split evenly over the
+    shard group. impl shards one flat parameter per unit whatever the placement: the gathered
+    parameters, the gradients and an element-wise optimizer's steps are the same for every
+    placement; only the local piece differs (1-D here, the dim-d block in FSDP2), which a warning
+    says once for a placement other than Shard(0)."""
     if shard_placement_fn is None:
         return
+    warned = False
     for fqn, _, _, param in _owned_params(module):
         placement = shard_placement_fn(param)
         if placement is None:
             continue
-        dim = getattr(placement, "dim", None)
-        if type(placement).__name__ != "Shard" or dim not in (0, -param.dim() if param.dim() else 0):
+        if type(placement).__name__ != "Shard":
             raise NotImplementedError(
-                f"fully_shard({what}): shard_placement_fn gave {placement!r} for '{fqn}': impl "
-                f"shards one flat parameter per unit, which computes as Shard(0); return None or Shard(0)")
+                f"fully_shard({what}): shard_placement_fn gave {placement!r} for '{fqn}'; only None or "
+                f"Shard(dim) shard a parameter")
+        ndim, dim = param.dim(), placement.dim
+        if ndim == 0 and dim in (0, -1):
+            continue  # a 0-d parameter is one element of the flat parameter
+        if not -ndim <= dim < ndim:
+            raise AssertionError(f"Shard dim {dim} is invalid for {ndim}D tensor: fully_shard({what}), "
+                                 f"shard_placement_fn's answer for '{fqn}' of shape {tuple(param.shape)}")
+        dim %= ndim
+        if dim == 0:
+            continue
+        if param.shape[dim] % shard_world_size:
+            raise NotImplementedError(
+                f"FSDP does not support uneven sharding on dim {dim}: fully_shard({what}), '{fqn}' of shape "
+                f"{tuple(param.shape)} over {shard_world_size} ranks")
+        if not warned:
+            warned = True
+            warnings.warn(f"fully_shard({what}): shard_placement_fn gave Shard({dim}) for '{fqn}': impl shards "
+                          f"one flat parameter per unit, so each local piece is a 1-D slice of the flat "
+                          f"parameter, not the dim-{dim} block; the training is the same for an element-wise "
+                          f"optimizer", stacklevel=3)
 
 
 def _unwrapped_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -268,13 +268,32 @@ def test_ignored_params_stay_as_they_are_and_train_as_the_plain_model():
         assert torch.equal(full[name], tensor), name
 
 
-def test_shard_placement_fn_accepts_dim_0_and_refuses_other_placements():
-    from torch.distributed.tensor import Shard
+def test_shard_placement_fn_is_validated_as_fsdp2_and_computes_as_the_flat_layout():
+    """Shard(d) for a dimension of the parameter is accepted (a warning says the local piece is
+    flat) and lays the unit out exactly as None or Shard(0) do, so it trains the same; a dimension
+    the parameter lacks, a placement that is not Shard, a dimension d != 0 that the shard group
+    does not split evenly, are refused as FSDP2 refuses them."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(0))
-    fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: None)
-    with pytest.raises(NotImplementedError, match=r"gave Shard\(dim=1\) for 'weight'"):
-        fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1))
+    from impl.api import _check_placements
+
+    def layout(fn):
+        torch.manual_seed(0)
+        model = fully_shard(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), shard_placement_fn=fn)
+        return [(s.fqn, s.offset, s.end) for s in impl.local_shards(model)[0].layout.slots]
+
+    flat = layout(None)
+    assert layout(lambda p: Shard(0)) == flat
+    with pytest.warns(UserWarning, match=r"Shard\(1\) for '0.weight'.*1-D slice of the flat parameter"):
+        assert layout(lambda p: Shard(p.dim() - 1)) == flat
+    with pytest.raises(AssertionError, match=r"Shard dim 1 is invalid for 1D tensor.*'0.bias'"):
+        fully_shard(nn.Sequential(nn.Linear(4, 4)), shard_placement_fn=lambda p: Shard(1))
+    with pytest.raises(NotImplementedError, match=r"gave Replicate\(\) for '0.weight'"):
+        fully_shard(nn.Sequential(nn.Linear(4, 4)), shard_placement_fn=lambda p: Replicate())
+    odd = nn.Sequential(nn.Linear(3, 4))  # weight (4, 3): dim 1 over 2 ranks is uneven, dim 0 is not
+    _check_placements(odd, lambda p: Shard(0), 2, "odd")
+    with pytest.raises(NotImplementedError, match=r"FSDP does not support uneven sharding on dim 1.*over 2 ranks"):
+        _check_placements(odd, lambda p: Shard(p.dim() - 1), 2, "odd")
 
 
 def test_a_non_contiguous_parameter_is_refused_and_a_0d_one_is_sharded():
