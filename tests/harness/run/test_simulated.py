@@ -203,6 +203,30 @@ def test_holders_that_compute_longer_than_a_stall_get_no_herd_beside_them(monkey
     assert sim.pace.free == simulated.PACE_SLOTS and sim.pace.lent == 0
 
 
+@pytest.mark.parametrize("wrapped", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="planted: the wait not wrapped in blocking() (3 s)"))])
+def test_a_wait_in_blocking_hands_the_slot_on_without_a_stall(monkeypatch, wrapped):
+    """With the pace lending nothing (STALL_S huge), ranks that wait inside `simulated.blocking()`
+    (as the run worker's store waits do) hand their slots on, so the rank they wait for runs at
+    once. Planted: the same wait outside blocking() keeps the slots, and the waiters time out."""
+    import contextlib
+    import threading
+
+    from harness.run import simulated
+
+    monkeypatch.setattr(simulated._Pace, "STALL_S", 1e9)
+    event = threading.Event()
+
+    def fn(rank):
+        if rank == 3:
+            event.set()
+            return True
+        with simulated.blocking() if wrapped else contextlib.nullcontext():
+            return event.wait(timeout=3)
+
+    assert simulate(4, fn) == [True] * 4
+
+
 @pytest.mark.slow
 def test_world_sizes_far_above_the_parameters_numel():
     """W = 256 on an MLP whose biases have 7 to 31 elements: most ranks hold empty shards of every
