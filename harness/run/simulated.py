@@ -41,9 +41,6 @@ import torch.distributed as dist
 
 BACKEND = "simulated"
 
-# The threads of a group meet at every collective; one that waits this long for the others means a
-# rank died or diverged: the launch fails instead of hanging.
-RENDEZVOUS_TIMEOUT_S = 600.0
 # Simulated ranks running Python at once (`_Pace`).
 PACE_SLOTS = 2
 
@@ -56,17 +53,23 @@ class SimulationAborted(RuntimeError):
     """Another rank of the simulation failed: this rank's collective cannot complete."""
 
 
+class SimulationTimeout(RuntimeError):
+    """This rank waited longer than its group's timeout for the others to come to a collective
+    (a rank hung or diverged): its own failure, the one to report."""
+
+
 class _Ticket:
     """A simulated rank's thread's own gate: closed while the thread waits, opened when it may run
     (a collective done, a slot free) or must stop (the simulation aborted)."""
 
-    __slots__ = ("gate", "slot", "thread")
+    __slots__ = ("gate", "slot", "thread", "queued")
 
     def __init__(self) -> None:
         self.gate = threading.Lock()
         self.gate.acquire()
         self.slot = False  # it holds one of the pace's slots
         self.thread = threading.get_ident()  # made by its own thread (`_ticket`)
+        self.queued = False  # runnable, waiting for a slot (the others' progress, not a hang)
 
     def open(self) -> None:
         try:
@@ -118,7 +121,7 @@ class _Pace:
         self.lend_next = 1
         self.ready: collections.deque[_Ticket] = collections.deque()
         self.holders: set[_Ticket] = set()
-        self.moved = time.monotonic()
+        self.moved = self.progress = time.monotonic()
         self.cpu_mark: float | None = None  # the holders' CPU time when last seen advancing
         self.waiting: set[_Ticket] = set()
         self.aborted = False
@@ -127,13 +130,16 @@ class _Pace:
         while self.free and self.ready:
             ticket = self.ready.popleft()
             self.free -= 1
-            ticket.slot = True
+            ticket.slot, ticket.queued = True, False
             self.holders.add(ticket)
             ticket.open()
         self.moved, self.cpu_mark = time.monotonic(), None
+        self.progress = self.moved  # a slot moved: some rank came to a wait or went on from one
 
     def runnable(self, tickets: list[_Ticket]) -> None:
         with self.lock:
+            for ticket in tickets:
+                ticket.queued = True
             self.ready.extend(tickets)
             self._dispatch()
 
@@ -167,11 +173,13 @@ class _Pace:
         self.lend_next *= 2
         self._dispatch()
 
-    def wait(self, ticket: _Ticket, check: Callable[[], None], what: str) -> None:
+    def wait(self, ticket: _Ticket, check: Callable[[], None], what: str, timeout_s: float | None = None) -> None:
         """Until `ticket` is opened (`check` raises when the simulation aborted: `abort` opens every
         waiting ticket). A waiting thread wakes only every POLL_S on its own: W threads polling
         often cost the running ones Python's lock W times as often (the stall is watched by one
-        thread, `watch`)."""
+        thread, `watch`). `timeout_s` (a group's timeout) bounds the time spent waiting for other
+        ranks while no slot moves: the others are queued for the slots, and the time they take to
+        come grows with W while they make progress; time queued for a slot is not counted at all."""
         with self.lock:
             self.waiting.add(ticket)
             if self.aborted:
@@ -180,9 +188,11 @@ class _Pace:
             start = time.monotonic()
             while not ticket.gate.acquire(timeout=self.POLL_S):
                 check()
-                waited = time.monotonic() - start
-                if waited > RENDEZVOUS_TIMEOUT_S:
-                    raise SimulationAborted(f"{what}: waited {waited:.0f} s")
+                if ticket.queued:
+                    start = time.monotonic()
+                waited = time.monotonic() - max(start, self.progress)
+                if timeout_s is not None and waited > timeout_s:
+                    raise SimulationTimeout(f"{what}: waited {waited:.0f} s (the group's timeout)")
         finally:
             with self.lock:
                 self.waiting.discard(ticket)
@@ -214,8 +224,8 @@ class _Rendezvous:
     the last thread to arrive computes every rank's result and hands the others to the pace
     (`_Pace`), which opens each one's own gate when it may run."""
 
-    def __init__(self, size: int, abort: threading.Event, pace: _Pace) -> None:
-        self.size, self.abort, self.pace = size, abort, pace
+    def __init__(self, size: int, abort: threading.Event, pace: _Pace, timeout_s: float) -> None:
+        self.size, self.abort, self.pace, self.timeout_s = size, abort, pace, timeout_s
         self.slots: list[Any] = [None] * size
         self.tickets: list[_Ticket | None] = [None] * size
         self.error: BaseException | None = None
@@ -253,7 +263,7 @@ class _Rendezvous:
                 self.error = e
             self.pace.runnable([t for r, t in enumerate(self.tickets) if r != rank])
         else:
-            self.pace.wait(ticket, self._check, f"rank {rank}, waiting for the other ranks' collective")
+            self.pace.wait(ticket, self._check, f"rank {rank}, waiting for the other ranks' collective", self.timeout_s)
             self._check()
         if self.error is not None:
             raise RuntimeError(f"simulated collective failed: {self.error}") from self.error
@@ -457,13 +467,13 @@ class Simulation:
         self._rdv_lock = threading.Lock()
         self.pace = _Pace(PACE_SLOTS)
 
-    def _group_for(self, store: dist.Store, rank: int, size: int) -> SimulatedGroup:
+    def _group_for(self, store: dist.Store, rank: int, size: int, timeout_s: float) -> SimulatedGroup:
         # torch gives each group's members one store namespace of its own (its name under the store
         # they were given): the group's rank 0 makes the rendezvous, the others find it there.
         if rank == 0:
             with self._rdv_lock:
                 token = str(len(self._rendezvous))
-                self._rendezvous[token] = _Rendezvous(size, self.abort, self.pace)
+                self._rendezvous[token] = _Rendezvous(size, self.abort, self.pace, timeout_s)
             store.set(_RENDEZVOUS_KEY, token)
         else:
             self.pace.release(_ticket())  # rank 0 may be waiting for a slot: hand this one on
@@ -534,7 +544,8 @@ class Simulation:
         if sim is None:
             raise RuntimeError(f"the {BACKEND!r} process-group backend runs only in a simulated rank's thread "
                                f"(harness/run/simulated.py)")
-        return sim._group_for(store, rank, size)
+        # The group's timeout (init_process_group's, torch's default else), as a real group's.
+        return sim._group_for(store, rank, size, timeout.total_seconds())
 
     def _check_abort(self) -> None:
         if self.abort.is_set():

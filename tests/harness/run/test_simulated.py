@@ -227,6 +227,56 @@ def test_a_wait_in_blocking_hands_the_slot_on_without_a_stall(monkeypatch, wrapp
     assert simulate(4, fn) == [True] * 4
 
 
+@pytest.mark.parametrize("planted", [None, pytest.param("queue", marks=pytest.mark.xfail(
+    strict=True, reason="planted: time queued for a slot counted as waiting for the others")),
+    pytest.param("progress", marks=pytest.mark.xfail(
+        strict=True, reason="planted: time waiting for others counted while slots move"))])
+def test_the_group_timeout_bounds_waiting_for_other_ranks_not_for_a_slot(monkeypatch, planted):
+    """A group made with a 2 s timeout. After a collective the first two ranks to run compute 3 s
+    while the other six are queued for the two slots: the queued ones wait 3 s with no slot
+    moving. Then the first two wait 2.4 s for the others, which compute 0.8 s each, two at a time,
+    slots moving. Neither is a hang: every rank completes the next collective. Then one rank never
+    comes to a collective, and the others fail after the group's timeout (a rank waiting at W =
+    1024 behind the judging rank's long step, 600 s fixed before, stopped an honest cell). Planted:
+    the time queued for a slot, or the time waiting while slots move, counted against it."""
+    import threading
+    from datetime import timedelta
+
+    from harness.run import simulated
+
+    monkeypatch.setattr(simulated._Pace, "POLL_S", 0.2)
+    if planted == "progress":
+        monkeypatch.setattr(simulated._Pace, "progress", property(lambda self: 0.0, lambda self, value: None))
+    if planted == "queue":
+        def runnable(self, tickets):  # the queue not marked: its wait counts against the timeout
+            with self.lock:
+                self.ready.extend(tickets)
+                self._dispatch()
+        monkeypatch.setattr(simulated._Pace, "runnable", runnable)
+    sim = simulated.Simulation(8)
+    lock, completed, started = threading.Lock(), [], []
+
+    def fn(rank):
+        dist.init_process_group(simulated.BACKEND, store=dist.PrefixStore("world", sim.store), rank=rank,
+                                world_size=8, timeout=timedelta(seconds=2))
+        dist.all_reduce(torch.ones(1))
+        with lock:
+            started.append(rank)
+            first_two = len(started) <= 2
+        end = time.monotonic() + (3.0 if first_two else 0.8)
+        while time.monotonic() < end:
+            pass
+        dist.all_reduce(torch.ones(1))
+        with lock:
+            completed.append(rank)
+        if rank != 5:  # rank 5 never comes to the third
+            dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(RuntimeError, match=r"waiting for the other ranks' collective: waited \d+ s \(the group's timeout\)"):
+        sim.run(fn, init=False)
+    assert sorted(completed) == list(range(8))
+
+
 @pytest.mark.slow
 def test_world_sizes_far_above_the_parameters_numel():
     """W = 256 on an MLP whose biases have 7 to 31 elements: most ranks hold empty shards of every
