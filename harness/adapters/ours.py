@@ -16,7 +16,7 @@ from harness.adapters.features import all_reduce_mean_copy, make_mesh
 class Ours(Adapter):
     name = "ours"
     contracts = frozenset({"gradient_sync_off", "no_gather_in_backward", "unsharded", "shard_group", "sharded_state"})
-    refuses_cross_unit_ties = True  # tied parameters across units raise at fully_shard
+    refuses_cross_unit_ties = True  # tied parameters across units raise at the root's first forward
     reshards_checkpoints = True
     simulated_ranks = True  # impl/_collectives.py: torch.distributed's Python collectives only
 

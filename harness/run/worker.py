@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from cases.catalog import Case, OptimizerSpec, get_case
-from cases.data import local_batch, map_tensors
+from cases.data import call_model, local_batch, map_tensors
 from cases.features import PLAIN
 from harness.adapters.features import apply_activation_checkpointing
 from harness.adapters.base import Adapter, RankContext, RawShard, plain_name
@@ -200,16 +200,20 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
 
 
 def _check_refused_wrap(case: Case, adapter: Adapter, ctx: RankContext) -> None:
-    """Wrapping the case's refused paths as separate units must raise a clear ValueError."""
+    """Wrapping the case's refused paths as separate units must raise a clear ValueError, at the
+    wrap or at the first forward (FSDP2's time: the root's lazy initialisation, before any
+    collective, so every rank raises alike)."""
     model = case.build_model()
     try:
-        adapter.wrap(model, case.features.refused_wrap, replace(ctx, features=PLAIN, faults=frozenset()))
+        wrapped = adapter.wrap(model, case.features.refused_wrap, replace(ctx, features=PLAIN, faults=frozenset()))
+        inputs, _ = local_batch(case.make_batch(case.seed, 1, case.global_batch), "identical", ctx.rank, ctx.world_size)
+        call_model(wrapped, map_tensors(lambda t: t.to(ctx.device), inputs))
     except ValueError as e:
         if "fully_shard" not in str(e):
             raise RuntimeError(f"rank {ctx.rank}: refusal of {case.features.refused_wrap} lacks a clear message: {e}")
         return
     raise RuntimeError(f"rank {ctx.rank}: case={case.name}: wrapping {list(case.features.refused_wrap)} as separate "
-                       f"units was accepted; a parameter tied across units must be refused")
+                       f"units was accepted and ran forward; a parameter tied across units must be refused")
 
 
 def _build_wrapped(case: Case, adapter: Adapter, ctx: RankContext, init_state, init_buffers,

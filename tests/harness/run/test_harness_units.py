@@ -277,3 +277,22 @@ def test_a_case_asking_for_offload_is_refused_where_the_shards_are_not_on_the_cp
     _check_offloaded(adapter("cpu"), None, SimpleNamespace(rank=0))
     with pytest.raises(RuntimeError, match="asked for CPU offload .* on \\['meta'\\]: the policy was not applied"):
         _check_offloaded(adapter("meta"), None, SimpleNamespace(rank=0))
+
+
+def test_a_tie_across_units_must_be_refused_at_the_wrap_or_at_the_first_forward():
+    """The tied_embeddings case's check (`_check_refused_wrap`): impl refuses its tok_emb and head
+    as separate units at the root's first forward, as FSDP2 does, and passes; an implementation
+    that wraps them and runs forward (the plain model, planted) is an error naming the case."""
+    import pytest
+
+    from cases.catalog import get_case
+    from harness.adapters import RankContext
+    from harness.adapters.registry import resolve_impl
+    from harness.run.worker import _check_refused_wrap
+
+    case = get_case("tied_embeddings")
+    ctx = RankContext(0, 1, None)
+    _check_refused_wrap(case, resolve_impl("ours"), ctx)
+    with pytest.raises(RuntimeError, match=r"case=tied_embeddings: wrapping \['tok_emb', 'head'\] as separate units "
+                                           r"was accepted and ran forward"):
+        _check_refused_wrap(case, resolve_impl("single"), ctx)
