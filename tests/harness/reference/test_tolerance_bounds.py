@@ -238,8 +238,12 @@ def reference_runs():
     from harness.run.plan import Cell
     from harness.run.worker import perturbed_runs, run_cell
 
+    from harness.run.snapshot import build_init
+
     case = get_case("mlp")
-    init = {n: t.detach().clone() for n, t in case.build_model().state_dict().items()}
+    # The initial state every run of the case uses (the case's seed), not whatever the global RNG
+    # holds after the tests this worker ran before (which made this test's outcome vary between runs).
+    init = {n: t.detach().clone() for n, t in build_init(case)[0].items()}
     # the world sizes of a default run (`Cell.serves`: the noise covers their identical-data reductions)
     serves = (1, 2, 4, 8)
     ref_cell = Cell("mlp", "single", 1, "identical", 4, is_reference=True, serves=serves)
