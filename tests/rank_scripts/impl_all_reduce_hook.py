@@ -8,7 +8,6 @@ One JSON file per rank.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -17,7 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import impl
 from cases.models import TransformerConfig, TransformerLM, lm_loss
-from harness.run.rank import rank_epilogue, rank_prologue
+from harness.run.rank import rank_prologue
+from tests.support.torchrun_script import finish_rank
 
 CFG = TransformerConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=18)
 
@@ -70,10 +70,7 @@ def main() -> int:
         "without_hook_differs": any(not torch.equal(without_hook[n], native[n]) for n in native),
         "nonzero": any(bool((g != 0).any()) for g in native.values()),
     }
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(result, f)
-    rank_epilogue()
-    return 0
+    return finish_rank(out_dir, result)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Planted faults (the test expects each to be caught):
 
 from __future__ import annotations
 
-import json
 import sys
 import traceback
 
@@ -32,7 +31,8 @@ import impl
 from cases.models import TransformerConfig, TransformerLM, lm_loss
 from impl._handle import FlatParamHandle, HandleState
 from impl._unit import FSDPUnit
-from harness.run.rank import rank_epilogue, rank_prologue
+from harness.run.rank import rank_prologue
+from tests.support.torchrun_script import finish_rank
 
 CFG = TransformerConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=18, tie_weights=True)
 STEPS = 3
@@ -138,10 +138,7 @@ def main() -> int:
             "root_bytes_early": early["root_bytes"],
             "root_bytes_late": late["root_bytes"],
         }
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    rank_epilogue()
-    return 0
+    return finish_rank(out_dir, results)
 
 
 if __name__ == "__main__":

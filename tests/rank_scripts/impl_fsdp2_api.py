@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -16,7 +15,8 @@ import torch.distributed as dist
 
 import impl
 from cases.models import TransformerConfig, TransformerLM, lm_loss
-from harness.run.rank import rank_epilogue, rank_prologue
+from harness.run.rank import rank_prologue
+from tests.support.torchrun_script import finish_rank
 
 CFG = TransformerConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=18)
 
@@ -144,10 +144,7 @@ def main() -> int:
     result["sums_are_w_times_means"] = all(torch.equal(s, m * dist.get_world_size()) for s, m in zip(sums, means))
     result["some_gradient_nonzero"] = any(bool((m != 0).any()) for m in means)
     result["reset_after_failure"] = {where: after_a_failure(where) for where in ("forward", "backward")}
-    with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
-        json.dump(result, f)
-    rank_epilogue()
-    return 0
+    return finish_rank(out_dir, result)
 
 
 if __name__ == "__main__":

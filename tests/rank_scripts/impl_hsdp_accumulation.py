@@ -8,7 +8,6 @@ and the replicas all-reduce once per handle instead of twice.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -18,7 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import impl
 import impl._handle
 from cases.models import TransformerConfig, TransformerLM, lm_loss
-from harness.run.rank import rank_epilogue, rank_prologue
+from harness.run.rank import rank_prologue
+from tests.support.torchrun_script import finish_rank
 
 CFG = TransformerConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=18)
 
@@ -61,10 +61,7 @@ def main() -> int:
     close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(every, once))
     result = {"all_reduces": {"every_micro_batch": every_count, "last_only": once_count}, "close": close,
               "nonzero": any(bool((g != 0).any()) for g in once)}
-    with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
-        json.dump(result, f)
-    rank_epilogue()
-    return 0
+    return finish_rank(out_dir, result)
 
 
 if __name__ == "__main__":

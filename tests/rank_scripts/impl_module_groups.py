@@ -12,7 +12,6 @@ gives the gradients of one backward of the summed loss.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -20,7 +19,8 @@ import torch.distributed as dist
 
 import impl
 from cases.models import TransformerConfig, TransformerLM, lm_loss
-from harness.run.rank import rank_epilogue, rank_prologue
+from harness.run.rank import rank_prologue
+from tests.support.torchrun_script import finish_rank
 
 CFG = TransformerConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=18, tie_weights=True)
 
@@ -178,10 +178,7 @@ def main() -> int:
             "names": sorted(per_chunk) == sorted(one) and len(one) == 5,
             "worst_relative": max(float((per_chunk[n] - one[n]).abs().max() / one[n].abs().max().clamp(min=1e-30))
                                   for n in one)}
-    with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
-        json.dump(result, f)
-    rank_epilogue()
-    return 0
+    return finish_rank(out_dir, result)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Planted faults (the test expects each to be caught):
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -26,7 +25,8 @@ import impl
 import impl._unit
 from cases.models import TransformerConfig, TransformerLM, lm_loss
 from impl._handle import GradReducer
-from harness.run.rank import rank_epilogue, rank_prologue
+from harness.run.rank import rank_prologue
+from tests.support.torchrun_script import finish_rank
 
 CFG = TransformerConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=18, tie_weights=True)
 STEPS = 3
@@ -108,10 +108,7 @@ def main() -> int:
         "overlapped": {k: overlapped[k] for k in ("forward_prefetched", "backward_prefetched", "reduce_in_flight")},
         "blocking": {k: blocking[k] for k in ("forward_prefetched", "backward_prefetched", "reduce_in_flight")},
     }
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(result, f)
-    rank_epilogue()
-    return 0
+    return finish_rank(out_dir, result)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,14 @@ as many all-gathers as torch FSDP2 with the same int.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 import torch.distributed as dist
 
 from cases.models import TransformerConfig, TransformerLM, lm_loss
-from harness.run.rank import rank_epilogue, rank_prologue
+from harness.run.rank import rank_prologue
+from tests.support.torchrun_script import finish_rank
 
 CFG = TransformerConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=18)
 
@@ -92,10 +92,7 @@ def main() -> int:
     result = {"gather_sizes": {str(k): sizes.count(k) for k in sorted(set(sizes))}, "fsdp2_gathers": count[0],
               "held_after_forward": held, "losses_bitwise": half_losses == whole_losses,
               "grads_bitwise": all(torch.equal(a, b) for ga, gb in zip(half_grads, whole_grads) for a, b in zip(ga, gb))}
-    with open(f"{out_dir}/rank{dist.get_rank()}.json", "w") as f:
-        json.dump(result, f)
-    rank_epilogue()
-    return 0
+    return finish_rank(out_dir, result)
 
 
 if __name__ == "__main__":

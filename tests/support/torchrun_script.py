@@ -27,3 +27,14 @@ def run_rank_script(name: str | Path, world_size: int, out_dir: Path, *args: str
     what = f"{script.name} at W={world_size}" + (f" with {' '.join(args)}" if args else "")
     assert result.ok, f"{what}: {result.failure_text()}"
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def finish_rank(out_dir: str, result) -> int:
+    """A rank script's last step: its JSON where `run_rank_script` reads it, then `rank_epilogue`."""
+    import torch.distributed as dist
+
+    from harness.run.rank import rank_epilogue
+
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    rank_epilogue()
+    return 0
