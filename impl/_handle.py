@@ -346,11 +346,12 @@ class FlatParamHandle:
                 local[pad_start:pad_end] = fill
         return local
 
-    def check_materialized(self, unit_name: str, prefix: str = "") -> None:
-        """Raise if the unit's parameters are still on the meta device (named from the root: `prefix`
-        is the unit's name in it)."""
+    def check_materialized(self, unit_name: str, is_root: bool = True) -> None:
+        """Raise if the unit's parameters are still on the meta device (named from the root, in
+        which a non-root unit's name is its path)."""
         self.bind_pieces()
         if self.sharded.is_meta:
+            prefix = "" if is_root else f"{unit_name}."
             raise RuntimeError(
                 f"FSDP parameters should be materialized from meta device before training, but the "
                 f"following were still on meta device: {[prefix + fqn for fqn in self.fqns]} (unit "

@@ -258,7 +258,7 @@ class FSDPUnit:
             if len(self.members) > 1:
                 self._to_run = {id(m) for m in self.members}
         for handle in self.handles:
-            handle.check_materialized(self.name, "" if self.is_root else f"{self.name}.")
+            handle.check_materialized(self.name, self.is_root)
             if handle.state == HandleState.SHARDED:
                 handle.zero_sharded_padding_()
             handle.unshard()
