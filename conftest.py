@@ -78,8 +78,7 @@ class _Progress:
 
     def expected(self, text: str) -> str:
         """`text` with the tier's expected minutes, or nothing where test files were named."""
-        named = self.config.getoption("--tier") is None and selected_tier(self.config) == "all"
-        return "" if named else text.format(EXPECTED_MINUTES[selected_tier(self.config)])
+        return "" if names_tests(self.config) else text.format(EXPECTED_MINUTES[selected_tier(self.config)])
 
 
 def selected_tier(config) -> str:
@@ -88,9 +87,13 @@ def selected_tier(config) -> str:
     tier = config.getoption("--tier")
     if tier is not None:
         return tier
+    return "all" if names_tests(config) else "default"
+
+
+def names_tests(config) -> bool:
+    """Whether the command names test files or ids (a share of a tier: no expected duration)."""
     whole = {(config.rootpath / p).resolve() for p in config.getini("testpaths")} | {config.rootpath.resolve()}
-    named = [a for a in config.args if (config.invocation_params.dir / a).resolve() not in whole]
-    return "all" if named else "default"
+    return any((config.invocation_params.dir / a).resolve() not in whole for a in config.args)
 
 
 def in_tier(item, tier: str) -> bool:

@@ -42,3 +42,15 @@ def test_fast_and_core_tests_are_default_the_other_slow_tests_extended():
     assert [root_conftest.in_tier(i, "default") for i in (fast, core, extended)] == [True, True, False]
     assert [root_conftest.in_tier(i, "extended") for i in (fast, core, extended)] == [False, False, True]
     assert [root_conftest.in_tier(i, "all") for i in (fast, core, extended)] == [True, True, True]
+
+
+@pytest.mark.parametrize("args, tier, shown", [
+    (["tests"], None, "about 13 min"),
+    (["tests"], "extended", "about 31 min"),
+    (["tests/harness/run/test_nodes.py"], None, ""),  # a share of a tier: no expected duration,
+    (["tests/harness/run/test_nodes.py"], "all", ""),  # --tier or not
+])
+def test_only_a_whole_tier_is_promised_a_duration(monkeypatch, args, tier, shown):
+    monkeypatch.setattr(root_conftest, "EXPECTED_MINUTES", {"default": 13, "extended": 31, "all": 44})
+    progress = root_conftest._Progress(_config(args, tier))
+    assert progress.expected(" (expected about {} min in all)") == (f" (expected {shown} in all)" if shown else "")
