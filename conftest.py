@@ -32,8 +32,9 @@ def pytest_addoption(parser):
 
 # -- progress and expected duration of each tier -------------------------------------------------
 # Measured with -n 2 on the project's 2-core VM (the project's CI of fe7ea9f: the extended tier
-# 31 min; the default tier 12.6 min on a fresh archive of it: docs/measured.md), rounded up. The slow tests run for minutes between dots, so a line
-# every PROGRESS_EVERY_S seconds says how far the run is. A command that names test files runs an
+# 31 min; the default tier 12.6 min on a fresh archive of it: docs/measured.md), rounded up. The
+# slow tests run for minutes between dots, so a line every PROGRESS_EVERY_S seconds says how far
+# the run is. A command that names test files runs an
 # unknown share of a tier: it gets progress lines, no expectation.
 EXPECTED_MINUTES = {"default": 13, "extended": 31, "all": 44}
 PROGRESS_EVERY_S = 60.0

@@ -121,7 +121,7 @@ def test_a_node_lost_mid_run_ends_the_other_naming_its_ranks(tmp_path):
     report = (tmp_path / "lost1" / "report.md").read_text()
     [label] = [p.name for p in (tmp_path / "lost1" / "nodes").iterdir() if p.is_dir()]
     held = launch_ranks_by_node(tmp_path / "lost1", label)[1]  # the rendezvous's choice (by pid)
-    assert len(held) == 2 and f"lost node 1 (launch ranks {held[0]}, {held[1]};" in report, report[:3000]
+    assert held in ([0, 1], [2, 3]) and f"lost node 1 (launch ranks {held[0]}, {held[1]};" in report, report[:3000]
     follower.communicate(timeout=30)
     assert not _left_running(str(tmp_path / "lost1"))
 
