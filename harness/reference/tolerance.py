@@ -52,14 +52,29 @@ REORDER_FACTOR = 4.0
 # keeps honest parameter margins at or below 0.5.
 ROUNDING_ALLOWANCE = 2
 # Perturbed reference runs whose envelope the trajectory check uses (antithetic pairs: one noise draw
-# per pair and step, harness/run/worker.py PerturbedRuns).
+# per pair and step, harness/run/worker.py PerturbedRuns): at least this many, and at least as many
+# as give every trainable tensor MIN_PERTURBED_DRAWS draws (`perturbed_run_count`).
 NUM_PERTURBED_RUNS = 2
+# Deviations per tensor and step the envelope is the largest of, at the least: with fewer, a tensor of
+# one or two elements false-alarms at a rate that is not small over a long run (docs/error_model.md,
+# "Trajectories": 3.7% per step for one element judged by two runs, under 1e-5 with sixteen).
+MIN_PERTURBED_DRAWS = 16
 # Above this median tolerance / |g| over a gradient's elements a check could not tell an honest run
 # from one whose gradients are off by that fraction: the cell is refused ("cannot verify").
 MAX_MEDIAN_RELATIVE_TOLERANCE = 0.125
 # The bias check's false-alarm probability per (tensor, step, statistic), under its hypothesis
 # (docs/error_model.md, "Bias"): a run of N such tests false-alarms with probability <= N times this.
 BIAS_FALSE_ALARM = 1e-12
+
+
+def perturbed_run_count(sizes) -> int:
+    """The perturbed runs (an even number: antithetic pairs) for a model whose trainable tensors have
+    `sizes` elements: NUM_PERTURBED_RUNS, or as many as give the smallest MIN_PERTURBED_DRAWS
+    deviations per step (n elements per run): 16 runs for a one-element tensor, 8 for two, 2 from
+    eight elements up."""
+    smallest = min((int(n) for n in sizes if n > 0), default=MIN_PERTURBED_DRAWS)
+    pairs = max(NUM_PERTURBED_RUNS // 2, math.ceil(MIN_PERTURBED_DRAWS / (2 * smallest)))
+    return 2 * pairs
 
 
 def sign_test_threshold(n: int, false_alarm: float = BIAS_FALSE_ALARM) -> float:

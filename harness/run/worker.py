@@ -47,7 +47,7 @@ from harness.reference.shadow import Shadow, load_nonpersistent_buffers
 from harness.run.snapshot import (Buffers, Snapshot, StepRecord, build_init, complete_path, decode, digest, encode,
                                   judged_path, load_init, state_digest,
                                   save_judged, save_snapshot, snapshot_path, started_path, write_atomic_text)
-from harness.reference.tolerance import NUM_PERTURBED_RUNS
+from harness.reference.tolerance import perturbed_run_count
 
 
 def _pick(tensors: dict[str, torch.Tensor], names: list[str], what: str, ctx: RankContext, cell: Cell) -> dict:
@@ -409,12 +409,13 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
               if reference_rank and ctx.rank == reference_rank else None)
     # A reference cell judged by a team: the ranks stepping its perturbed runs get its parameters
     # from here, step by step, instead of training the reference again.
-    feed = (ReferenceFeed([r for r in range(1, team_size) if perturbed_seeds(r, team_size)])
+    num_runs = perturbed_runs_of(case) if cell.is_reference else 0
+    feed = (ReferenceFeed([r for r in range(1, team_size) if perturbed_seeds(r, team_size, num_runs)])
             if is_writer and judge_here and cell.is_reference and team_size > 1 else None)
     if is_writer and judge_here:
         reference = perturbed = None
         if cell.is_reference:
-            seeds = perturbed_seeds(0, team_size)  # none here: the team's other ranks step them all
+            seeds = perturbed_seeds(0, team_size, num_runs)  # none here: the team's other ranks step them all
             runs = (PerturbedRuns(case, spec, init_state, seeds, ctx.device, init_buffers, ctx.device, borrow=True,
                                   world_sizes=cell.serves) if seeds else None)
             def perturbed(step, before, runs=runs):
@@ -532,7 +533,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     if judge is not None:
         return judge.record(run_id)
     perturbed = (perturbed_runs(case, spec, init_state, [init_params] + [rec.params for rec in steps[:-1]],
-                                list(range(1, NUM_PERTURBED_RUNS + 1)), ctx.device, init_buffers, cell.serves)
+                                list(range(1, num_runs + 1)), ctx.device, init_buffers, cell.serves)
                  if cell.is_reference else None)
     return Snapshot(cell.to_json(), spec.kind, ctx.world_size, layouts,
                     {"params": adapter.param_padding.value, "grads": adapter.grad_padding.value},
@@ -540,13 +541,20 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                     contracts=contracts).to_dict()
 
 
-def perturbed_seeds(rank: int, team_size: int) -> list[int]:
-    """The perturbed runs (seeds 1..NUM_PERTURBED_RUNS) rank `rank` of a reference cell's team
-    steps when the cell is judged on the ranks. A pair of antithetic runs shares its noise
-    (`PerturbedRuns`), so pairs stay whole: round the team's ranks from 1, beside rank 0's
-    training, replay and judge; all on rank 0 in a team of one."""
+def perturbed_runs_of(case: Case) -> int:
+    """How many perturbed runs a reference cell of `case` steps (`perturbed_run_count` of its
+    trainable tensors' sizes, read from a meta-device build: more for a model with tensors of a few
+    elements)."""
+    return perturbed_run_count(p.numel() for p in case.build_shapes().parameters() if p.requires_grad)
+
+
+def perturbed_seeds(rank: int, team_size: int, num_runs: int) -> list[int]:
+    """The perturbed runs (seeds 1..num_runs) rank `rank` of a reference cell's team steps when
+    the cell is judged on the ranks. A pair of antithetic runs shares its noise (`PerturbedRuns`),
+    so pairs stay whole: round the team's ranks from 1, beside rank 0's training, replay and judge;
+    all on rank 0 in a team of one."""
     helpers = range(1, team_size) if team_size > 1 else range(1)
-    return [seed for seed in range(1, NUM_PERTURBED_RUNS + 1)
+    return [seed for seed in range(1, num_runs + 1)
             if helpers[((seed + 1) // 2 - 1) % len(helpers)] == rank]
 
 
@@ -844,10 +852,11 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
     runs_here = resolve_impl(cell.impl).needs_process_group or ctx.rank == 0
     shares = judge_here and cell.is_reference
     perturbed_store = dist.PrefixStore(f"harness/perturbed/{cell.cell_id}", _launch_store()) if shares else None
-    if shares and not runs_here and perturbed_seeds(ctx.rank, ctx.world_size):
+    num_runs = perturbed_runs_of(case) if shares else 0
+    if shares and not runs_here and perturbed_seeds(ctx.rank, ctx.world_size, num_runs):
         for spec in case.optimizers:
             envelopes = perturbed_envelopes(cell, spec, init_state, init_buffers, ctx.device,
-                                            perturbed_seeds(ctx.rank, ctx.world_size))
+                                            perturbed_seeds(ctx.rank, ctx.world_size, num_runs))
             perturbed_store.set(f"{spec.kind}/{ctx.rank}", encode(envelopes))
             release_freed_memory()
     for spec in case.optimizers if runs_here else ():
@@ -855,7 +864,7 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
                             init_digest, ctx.world_size if shares else 1)
         if snapshot is not None and shares and snapshot["envelopes"] is not None and snapshot["error"] is None:
             for rank in range(1, ctx.world_size):
-                if perturbed_seeds(rank, ctx.world_size):
+                if perturbed_seeds(rank, ctx.world_size, num_runs):
                     _store_wait(perturbed_store, [f"{spec.kind}/{rank}"])
                     theirs = decode(perturbed_store.get(f"{spec.kind}/{rank}"))
                     snapshot["envelopes"] = merge_envelopes(snapshot["envelopes"], theirs)

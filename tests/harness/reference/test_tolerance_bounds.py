@@ -17,7 +17,8 @@ import torch
 from cases.case import GROUP_HYPERPARAMETERS
 from cases.catalog import OptimizerSpec, get_case
 from harness.judge.diff import check_snapshot
-from harness.reference.tolerance import OptimizerErrorState, ReductionModel, clip_coefficient_error, unit_roundoff
+from harness.reference.tolerance import (NUM_PERTURBED_RUNS, TRAJECTORY_FACTOR, OptimizerErrorState, ReductionModel,
+                                        clip_coefficient_error, perturbed_run_count, unit_roundoff)
 
 U32 = unit_roundoff(torch.float32)
 
@@ -232,8 +233,9 @@ def test_clip_coefficient_bound_holds_for_admissible_gradients_and_is_reached(no
 
 @pytest.fixture(scope="module")
 def reference_runs():
-    """The mlp reference of a real in-process run (two perturbed runs in its snapshot), and a third
-    perturbed run with another noise seed: an honest trajectory of the same noise amplitude."""
+    """The mlp reference of a real in-process run (its perturbed runs in its snapshot: sixteen, for
+    its one-element bias), and one more perturbed run with another noise seed: an honest trajectory
+    of the same noise amplitude."""
     from harness.adapters import RankContext
     from harness.run.plan import Cell
     from harness.run.worker import perturbed_runs, run_cell
@@ -271,6 +273,46 @@ def _envelope_scale(ref: dict, step: int, name: str) -> float:
     p_ref = ref["steps"][step]["params"][name].double()
     envelope = max((run[step][name].double() - p_ref).abs().max().item() for run in ref["perturbed"])
     return envelope + 2 * U32 * p_ref.abs().max().item()
+
+
+def _false_alarm_rate(n: int, runs: int, scale: float, trials: int, seed: int = 0) -> float:
+    """The trajectory check's false-alarm rate per (tensor, step) under the normal model of
+    docs/error_model.md ("Trajectories"): the largest of n honest |deviations| of scale `scale`
+    beyond TRAJECTORY_FACTOR times the largest of the `runs` perturbed runs' n each."""
+    g = torch.Generator().manual_seed(seed)
+    honest = (scale * torch.randn(trials, n, generator=g, dtype=torch.float64)).abs().amax(1)
+    perturbed = torch.randn(trials, runs * n, generator=g, dtype=torch.float64).abs().amax(1)
+    return (honest > TRAJECTORY_FACTOR * perturbed).double().mean().item()
+
+
+def test_tensors_of_few_elements_get_the_runs_that_keep_their_false_alarms_rare():
+    """A tensor of one element judged by two perturbed runs is three draws: an honest deviation as
+    large as the noise's beats four times the larger perturbed one 3.7% of the steps. The run count
+    (`perturbed_run_count`) gives every tensor at least 16 draws, under 1e-4 per step at every size;
+    the old two runs are the planted side."""
+    for n in (1, 2, 3, 4, 5, 8):
+        runs = perturbed_run_count([n, 1000])
+        assert runs % 2 == 0 and runs * n >= 16, (n, runs)
+        assert _false_alarm_rate(n, runs, 1.0, 200_000) < 1e-4, n
+    assert perturbed_run_count([64, 1000]) == NUM_PERTURBED_RUNS  # large tensors: the cost unchanged
+    assert _false_alarm_rate(1, NUM_PERTURBED_RUNS, 1.0, 200_000) > 0.02
+    assert _false_alarm_rate(2, NUM_PERTURBED_RUNS, 1.0, 200_000) > 0.004
+
+
+def test_the_reference_steps_as_many_perturbed_runs_as_its_smallest_tensor_needs(reference_runs):
+    """mlp has a one-element output bias: its reference snapshot holds sixteen runs, the first two
+    the same bits a two-run reference holds (each pair draws its own noise), so more runs only
+    widen the envelope."""
+    from harness.run.worker import perturbed_runs
+    case = get_case("mlp")
+    assert min(p.numel() for p in case.build_shapes().parameters()) == 1
+    for kind, (ref, init, _) in reference_runs.items():
+        assert len(ref["perturbed"]) == perturbed_run_count([1]) == 16, kind
+        spec = next(s for s in case.optimizers if s.kind == kind)
+        befores = [init] + [rec["params"] for rec in ref["steps"][:-1]]
+        two = perturbed_runs(case, spec, init, befores, [1, 2], torch.device("cpu"), world_sizes=(1, 2, 4, 8))
+        for run, again in zip(ref["perturbed"][:2], two):
+            assert all(torch.equal(a[n], b[n]) for a, b in zip(run, again) for n in a), kind
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
