@@ -115,6 +115,9 @@ class StepEvidence:
 # steps whose gathered rows (data and gradient in float64, every rank) fit in this many bytes,
 # counted from the plain model's size, the same on every rank (each rank must enter the same gathers).
 EVIDENCE_BATCH_BYTES = 64 << 20
+# From this many raw shard elements per rank in a batch, each raw shard is gathered on its own
+# (`gather_evidence`).
+GATHER_ONE_BY_ONE_FROM = 1 << 20
 
 
 def steps_per_gather(num_plain_elements: int) -> int:
@@ -162,13 +165,29 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
             if has_grad:
                 big.setdefault(raw.grad.dtype, []).append(raw.grad.reshape(-1))
     rows = _all_gather_rows(torch.cat(small), ctx).cpu()  # (W, n)
-    big_rows: dict[torch.dtype, torch.Tensor] | None = {}
+    # Per dtype, each raw tensor's (W, n) rows in the order taken, contiguous (the judge reads a row's
+    # bytes); None on the team's other ranks. Many small shards go in one gather per dtype, cut into
+    # copies; a model's worth of them one gather each, received in place: a big model's shards are
+    # then held once on rank 0, not twice (issue 31), and each gather is large enough that its
+    # latency does not count. Shards have the same sizes on every rank: each rank makes the same choice.
+    one_by_one = sum(t.numel() for ts in big.values() for t in ts) >= GATHER_ONE_BY_ONE_FROM
+    big_rows: dict[torch.dtype, list[torch.Tensor]] | None = {}
     for dtype in sorted(big, key=str):  # the same order on every rank: each enters the same gathers
-        gathered = _gather_rows(torch.cat(big.pop(dtype)), ctx)
-        if gathered is None:
-            big_rows = None
-        elif big_rows is not None:
-            big_rows[dtype] = gathered.cpu()
+        tensors = big.pop(dtype)
+        for t in tensors if one_by_one else [torch.cat(tensors)]:
+            gathered = _gather_rows(t, ctx)
+            if gathered is None:
+                big_rows = None
+            elif big_rows is not None and one_by_one:
+                big_rows.setdefault(dtype, []).append(gathered.cpu())
+            elif big_rows is not None:
+                gathered, at = gathered.cpu(), 0
+                for piece in tensors:
+                    big_rows.setdefault(dtype, []).append(gathered[:, at : at + piece.numel()].contiguous())
+                    at += piece.numel()
+                if at != gathered.shape[1]:
+                    raise RuntimeError(f"rank {ctx.rank}: gathered {gathered.shape[1]} {dtype} shard values, cut {at}")
+            del gathered
         big_at[dtype] = 0
     out, at = [], 0
     for p, shape in zip(parts, layout):
@@ -189,13 +208,16 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
                 if t is None:
                     continue
                 if big_rows is not None:  # (W, n), contiguous: the judge reads a row's bytes
-                    into[raw.key] = big_rows[t.dtype][:, big_at[t.dtype] : big_at[t.dtype] + n].contiguous()
-                big_at[t.dtype] += n
+                    into[raw.key] = big_rows[t.dtype][big_at[t.dtype]]
+                    if into[raw.key].shape[1] != n:
+                        raise RuntimeError(f"rank {ctx.rank}: gathered {into[raw.key].shape[1]} values of shard "
+                                           f"{raw.key!r} per rank, took {n}")
+                big_at[t.dtype] += 1
         out.append(StepEvidence(losses, digests, clip_norms, shards, shard_grads, padding_intervals, collectives))
-    if at != rows.shape[1] or (big_rows is not None and any(big_at[d] != r.shape[1] for d, r in big_rows.items())):
-        raise RuntimeError(f"rank {ctx.rank}: gathered {rows.shape[1]} + "
-                           f"{[r.shape[1] for r in big_rows.values()] if big_rows is not None else '?'} evidence "
-                           f"values per rank, read {at} + {list(big_at.values())}")
+    if at != rows.shape[1] or (big_rows is not None and any(big_at[d] != len(r) for d, r in big_rows.items())):
+        raise RuntimeError(f"rank {ctx.rank}: gathered {rows.shape[1]} evidence values and "
+                           f"{[len(r) for r in big_rows.values()] if big_rows is not None else '?'} shards per "
+                           f"rank, read {at} and {list(big_at.values())}")
     return out
 
 

@@ -6,6 +6,7 @@ At W = 1 a shard has no uniform tail, so every padding element it holds is an al
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from harness.fuzz.check import assemble_snapshot
@@ -79,9 +80,13 @@ def test_step_evidence_carries_a_different_number_of_intervals_per_shard():
     assert torch.equal(ev.shard_grads["b/_flat_param"], torch.ones(1, 4)) and set(ev.shard_grads) == {"b/_flat_param"}
 
 
-def test_steps_gathered_together_come_back_each_as_it_was_taken():
+@pytest.mark.parametrize("one_by_one", [False, True])
+def test_steps_gathered_together_come_back_each_as_it_was_taken(monkeypatch, one_by_one):
     """Several steps in one gather: each step's values, dtypes and intervals as they were when
-    taken, although the shard changed in place after (as an implementation's live shard does)."""
+    taken, although the shard changed in place after (as an implementation's live shard does);
+    the same whether the shards go in one gather per dtype or, as a big model's do, one by one."""
+    import harness.run.worker as worker
+    monkeypatch.setattr(worker, "GATHER_ONE_BY_ONE_FROM", 0 if one_by_one else 1 << 40)
     live = torch.arange(4, dtype=torch.float64)  # float64: a conversion to float64 alone would not copy it
     low = torch.arange(3, dtype=torch.bfloat16)
     grad = torch.full((4,), 0.5, dtype=torch.float16)
@@ -102,6 +107,7 @@ def test_steps_gathered_together_come_back_each_as_it_was_taken():
     assert (first.losses.dtype, second.losses.dtype) == (torch.float32, torch.float64)
     assert first.losses.tolist() == [1.0] and second.losses.tolist() == [2.0]
     assert first.digests.tolist() == [[11]] and second.digests.tolist() == [[22]]
+    assert all(t.is_contiguous() for ev in (first, second) for t in [*ev.shards.values(), *ev.shard_grads.values()])
     assert first.padding_intervals == {"u/_flat_param": [[[3, 4]]], "v/_flat_param": [[]]}
     assert second.padding_intervals == {"u/_flat_param": [[[2, 3], [3, 4]]], "v/_flat_param": [[]]}
 
