@@ -431,7 +431,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
               if reference_rank and ctx.rank == reference_rank else None)
     # A reference cell judged by a team: the ranks stepping its perturbed runs get its parameters
     # from here, step by step, instead of training the reference again.
-    num_runs = perturbed_runs_of(case) if cell.is_reference else 0
+    num_runs = perturbed_runs_of(plain) if cell.is_reference else 0
     feed = (ReferenceFeed([r for r in range(1, team_size) if perturbed_seeds(r, team_size, num_runs)])
             if is_writer and judge_here and cell.is_reference and team_size > 1 else None)
     if is_writer and judge_here:
@@ -563,11 +563,11 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                     contracts=contracts).to_dict()
 
 
-def perturbed_runs_of(case: Case) -> int:
-    """How many perturbed runs a reference cell of `case` steps (`perturbed_run_count` of its
-    trainable tensors' sizes, read from a meta-device build: more for a model with tensors of a few
-    elements)."""
-    return perturbed_run_count(p.numel() for p in case.build_shapes().parameters() if p.requires_grad)
+def perturbed_runs_of(model: nn.Module) -> int:
+    """How many perturbed runs a reference cell of `model`'s case steps (`perturbed_run_count` of
+    its trainable tensors' sizes: more for a model with tensors of a few elements); `model` may be
+    on the meta device."""
+    return perturbed_run_count(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def perturbed_seeds(rank: int, team_size: int, num_runs: int) -> list[int]:
@@ -874,7 +874,7 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
     runs_here = resolve_impl(cell.impl).needs_process_group or ctx.rank == 0
     shares = judge_here and cell.is_reference
     perturbed_store = dist.PrefixStore(f"harness/perturbed/{cell.cell_id}", _launch_store()) if shares else None
-    num_runs = perturbed_runs_of(case) if shares else 0
+    num_runs = perturbed_runs_of(case.build_shapes()) if shares else 0
     if shares and not runs_here and perturbed_seeds(ctx.rank, ctx.world_size, num_runs):
         for spec in case.optimizers:
             envelopes = perturbed_envelopes(cell, spec, init_state, init_buffers, ctx.device,
