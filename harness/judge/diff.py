@@ -31,7 +31,8 @@ import torch
 
 from cases.catalog import Case, get_case
 from cases.features import DTYPES
-from harness.judge.layouts import first_bit_difference
+from harness.judge.layouts import LayoutError, first_bit_difference
+from harness.judge.shards import GRAD_SUFFIX, ShardSummary, summarize_rows
 from harness.judge.checks import CHECK_ORDER, buffers
 from harness.judge.checks.base import CheckStats, coords
 from harness.judge.contracts import contract_violations, model_size
@@ -759,10 +760,23 @@ class CellJudge:
         actual = seg.flat([clipped[n] for n in names])
         return [v for v in self.judge("clip", step, names, seg, actual, expected, tol, step_layouts) if v]
 
-    def shard_rows(self, rec):
-        """(key, (W, shard_numel) rows, whether its padding is declared zero) of every raw shard."""
-        return ([(k, t, self.padding["params"] == "zero") for k, t in rec["shards"].items()]
-                + [(k + " (grad)", t, self.padding["grads"] == "zero") for k, t in rec["shard_grads"].items()])
+    def shard_summaries(self, rec) -> list[tuple[str, list[ShardSummary], bool]]:
+        """(key, every rank's summary of its raw shard, whether its padding is declared zero) of every
+        raw shard, the data's then the gradients' ([Note: Shards judged where they live] in
+        harness/judge/shards.py): as the ranks summarised them, or from a snapshot's rows."""
+        zero = {False: self.padding["params"] == "zero", True: self.padding["grads"] == "zero"}
+        given = rec.get("shard_summaries")
+        if given is not None:
+            out = [(k, s, zero[k.endswith(GRAD_SUFFIX)]) for k, s in given.items()]
+        else:
+            out = [(k + suffix, summarize_rows(rows, rec["padding_intervals"][k], zero[bool(suffix)]), zero[bool(suffix)])
+                   for suffix, shards in (("", rec["shards"]), (GRAD_SUFFIX, rec["shard_grads"]))
+                   for k, rows in shards.items()]
+        for key, summaries, _ in out:
+            for r, s in enumerate(summaries):
+                if s.error is not None:
+                    raise LayoutError(f"step {rec['step']}: rank {r}'s raw shard '{key}': {s.error}")
+        return out
 
     def start(self, init: dict) -> None:
         """Step 0: the initial parameters and buffers right after wrapping (a snapshot's "init")."""
@@ -830,18 +844,16 @@ class CellJudge:
                     v = _nonfinite(kind, step, name, t, step_layouts.get(name))
                     if v:
                         viol.append(v)
-        for key, rows, padding_judged in self.shard_rows(rec):
-            stats["nonfinite"].add(rows.numel())
-            intervals = rec["padding_intervals"][key.removesuffix(" (grad)")]
-            judged_rows = rows if padding_judged else _without_padding_rows(rows, intervals)
-            if all_finite(judged_rows):
-                continue
-            for r in range(rows.shape[0]):
-                # Padding of an UNSPECIFIED convention may hold anything (uninitialised memory):
-                # zeroed in a copy, so an index found still names the shard's own element.
-                v = _nonfinite(kind, step, key, judged_rows[r], None, rank=r)
-                if v:
-                    viol.append(v)
+        # Each rank's shards, outside padding of an UNSPECIFIED convention (which may hold anything):
+        # the summaries name the first non-finite element of each ([Note: Shards judged where they live]).
+        shard_summaries = self.shard_summaries(rec)
+        for key, summaries, _ in shard_summaries:
+            stats["nonfinite"].add(sum(s.numel for s in summaries))
+            for r, s in enumerate(summaries):
+                if s.nonfinite is not None:
+                    f = s.nonfinite
+                    viol.append(Violation(kind, step, "nonfinite", key, float("inf"), float("inf"), 0.0, f.value,
+                                          float("nan"), f.index, coords((s.numel,), f.index), r, False, f.count))
 
         # loss: each rank's local loss is the replay's, bitwise
         losses, expected = rec["loss"], shadow["loss"]
@@ -1014,22 +1026,15 @@ class CellJudge:
                                                   float("nan"), float("nan"), rank=r))
 
         # padding: exactly zero where the adapter declares Padding.ZERO
-        for key, rows, padding_judged in self.shard_rows(rec):
+        for key, summaries, padding_judged in shard_summaries:
             if not padding_judged:
                 continue
-            intervals = rec["padding_intervals"][key.removesuffix(" (grad)")]
-            at_rows = _padding_index(intervals, rows.shape[-1])
-            stats["padding"].add(at_rows.numel())
-            if not bool((rows.reshape(-1)[at_rows] != 0).any()):
-                continue
-            for r, row_intervals in enumerate(intervals):
-                at = torch.cat([torch.arange(start, end) for start, end in row_intervals] + [torch.arange(0)])
-                pad = rows[r, at]
-                if pad.numel() and (pad != 0).any():
-                    first = int((pad != 0).nonzero()[0].item())
-                    viol.append(Violation(kind, step, "padding", key, float("inf"), abs(pad[first].item()), 0.0,
-                                          pad[first].item(), 0.0, index=int(at[first]), rank=r, in_padding=True,
-                                          num_violating=int((pad != 0).sum().item())))
+            stats["padding"].add(sum(s.padding for s in summaries))
+            for r, s in enumerate(summaries):
+                if s.nonzero_padding is not None:
+                    f = s.nonzero_padding
+                    viol.append(Violation(kind, step, "padding", key, float("inf"), abs(f.value), 0.0, f.value, 0.0,
+                                          index=f.index, rank=r, in_padding=True, num_violating=f.count))
 
         # contract: each configured feature did what it promises to the collectives
         if self.contracts:
@@ -1353,20 +1358,6 @@ def judge_trajectory(kind: str, dev: TrajectoryDeviation, envelope: dict[str, to
             out.append(Violation(kind, dev.step, "trajectory", name, o.failing.ratio, o.failing.abs_diff, o.failing.tol,
                                  dev.actual[s], dev.expected[s], worst_index, coords(size, worst_index),
                                  dev.owners[s]))
-    return out
-
-
-def _padding_index(intervals_per_row, row_numel: int) -> torch.Tensor:
-    """Flat indices into (W, row_numel) rows of every row's padding intervals."""
-    at = [r * row_numel + i for r, intervals in enumerate(intervals_per_row) for start, end in intervals
-          for i in range(start, end)]
-    return torch.tensor(at, dtype=torch.long)
-
-
-def _without_padding_rows(rows: torch.Tensor, intervals_per_row) -> torch.Tensor:
-    """A copy of (W, shard_numel) rows with every row's padding intervals set to zero."""
-    out = rows.clone(memory_format=torch.contiguous_format)
-    out.view(-1)[_padding_index(intervals_per_row, rows.shape[-1])] = 0
     return out
 
 

@@ -29,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from harness.judge.shards import GRAD_SUFFIX, row_differing
+
 
 class LayoutError(ValueError):
     """An adapter's layouts contradict its raw shards or the model (the cell is an error)."""
@@ -142,45 +144,45 @@ def _check_names(layouts, sizes: dict[str, torch.Size], num_ranks: int, step: in
 def _check_step(rec: dict, layouts: dict, sizes: dict[str, torch.Size], num_ranks: int,
                 aliases: dict[str, str]) -> list[GatheredMismatch]:
     step = rec["step"]
+    shards = _Shards(rec)
     mismatches: list[GatheredMismatch] = []
     claimed: dict[str, list[tuple[int, int, str]]] = {}  # flat key -> [start, end) of each parameter
     for name, layout in layouts.items():
         if layout["kind"] != "flat":
             continue
         key = layout["flat_key"]
-        rows = rec["shards"].get(key)
-        if rows is None and not rec["shards"]:
+        shard_numel = shards.numel(key)
+        if shard_numel is None and not shards.keys:
             raise LayoutError(f"step {step}: {_describe(name, layout)} is a flat layout, but the adapter gives no "
                               f"raw_shards() to check it against; give raw_shards() with it, or a 'dim0' or "
                               f"'replicated' layout ([Note: Adapter protocol])")
-        if rows is None:
+        if shard_numel is None:
             raise LayoutError(f"step {step}: {_describe(name, layout)} names no raw shard; the shards are "
-                              f"{sorted(rec['shards'])[:4]}")
-        if rows.shape[1] != layout["shard_numel"]:
-            raise LayoutError(f"step {step}: {_describe(name, layout)} but the raw shards hold {rows.shape[1]} "
+                              f"{sorted(shards.keys)[:4]}")
+        if shard_numel != layout["shard_numel"]:
+            raise LayoutError(f"step {step}: {_describe(name, layout)} but the raw shards hold {shard_numel} "
                               f"elements per rank")
         offset, numel, group = int(layout["offset"]), sizes[name].numel(), int(layout["world_size"])
-        if offset < 0 or offset + numel > group * rows.shape[1]:
+        if offset < 0 or offset + numel > group * shard_numel:
             raise LayoutError(f"step {step}: {_describe(name, layout)} reaches past the padded buffer of "
-                              f"{group * rows.shape[1]} elements (numel={numel})")
+                              f"{group * shard_numel} elements (numel={numel})")
         # Rank 0's full parameters are gathered from the first replica block; whether the other
         # replicas agree is the replicas check's question, not the layout's.
         full = rec["params"][aliases.get(name, name)]
-        piece = assemble_flat(layout, rows, sizes[name])
         if full.shape != sizes[name]:
             raise LayoutError(f"step {step}: the full parameter '{name}' has shape {tuple(full.shape)}, the model's "
                               f"is {tuple(sizes[name])}")
-        if not same_bits(piece, full.to(piece.dtype)):
-            a, b = piece.reshape(-1), full.reshape(-1).to(piece.dtype)
-            a_bits, b_bits = (t.contiguous().view(torch.uint8).view(-1, t.element_size()) for t in (a, b))
-            bad = (a_bits != b_bits).any(dim=1).nonzero()
-            at = int(bad[0].item())
-            mismatches.append(GatheredMismatch(step, name, at, b[at].item(), a[at].item(),
-                                               (offset + at) // rows.shape[1], int(bad.numel())))
+        # Each rank's part of the slice, judged where the shard is ([Note: Shards judged where they
+        # live]): the lowest rank's first differing element is the slice's first; counts add up.
+        found = [d for d in shards.differing(key, name, offset, group, full) if d is not None]
+        if found:
+            first = found[0]
+            mismatches.append(GatheredMismatch(step, name, first.index, first.full, first.shard,
+                                               (offset + first.index) // shard_numel, sum(d.count for d in found)))
         claimed.setdefault(key, []).append((offset, offset + numel, name))
     for key, ranges in claimed.items():
         intervals = rec["padding_intervals"].get(key, [])
-        shard_numel = rec["shards"][key].shape[1]
+        shard_numel = shards.numel(key)
         group = int(layouts[ranges[0][2]]["world_size"])
         for rank, runs in enumerate(intervals):
             base = (rank % group) * shard_numel
@@ -192,3 +194,42 @@ def _check_step(rec: dict, layouts: dict, sizes: dict[str, torch.Size], num_rank
                             f"elements of '{name}' (padded-buffer range [{lo}, {hi})); fix the adapter's "
                             f"layouts() or raw_shards() padding_intervals")
     return mismatches
+
+
+class _Shards:
+    """A step's raw shards of parameter data as the layout check reads them: each rank's summary
+    where the ranks summarised them (rec["shard_summaries"]), else a snapshot's (W, n) rows."""
+
+    def __init__(self, rec: dict) -> None:
+        self.step = rec["step"]
+        self.summaries = rec.get("shard_summaries")
+        if self.summaries is not None:
+            self.keys = [k for k in self.summaries if not k.endswith(GRAD_SUFFIX)]
+            digests = rec.get("layout_digests") or []
+            for r, d in enumerate(digests):
+                if d != digests[0]:
+                    raise LayoutError(f"step {self.step}: rank {r} reports other layouts() than rank 0; every "
+                                      f"rank's raw shard is read by one layout")
+        else:
+            self.keys = list(rec["shards"])
+            self.rows = rec["shards"]
+
+    def numel(self, key: str) -> int | None:
+        """Elements of `key`'s shard on each rank (None: no such shard); ranks must agree."""
+        if key not in self.keys:
+            return None
+        if self.summaries is None:
+            return self.rows[key].shape[1]
+        sizes = [s.numel for s in self.summaries[key]]
+        for r, n in enumerate(sizes):
+            if n != sizes[0]:
+                raise LayoutError(f"step {self.step}: rank {r}'s raw shard '{key}' holds {n} elements, rank 0's "
+                                  f"{sizes[0]}: a flat layout's shards are of one size")
+        return sizes[0]
+
+    def differing(self, key: str, name: str, offset: int, group: int, full: torch.Tensor) -> list:
+        """Per rank of the first replica block, where its part of the flat layout's slice differs."""
+        if self.summaries is not None:
+            return [s.differing.get(name) for s in self.summaries[key][:group]]
+        rows = self.rows[key]
+        return [row_differing(rows[r], r, offset, full) for r in range(min(group, rows.shape[0]))]

@@ -97,6 +97,10 @@ class StepRecord:
     clipped_grads: dict[str, torch.Tensor] | None = None  # the full gradients after clipping, before the step
     # (W, fields of LedgerStep) every rank's collectives of the step, where contracts apply ([Note: Contracts])
     collectives: torch.Tensor | None = None
+    # Judged on the ranks: each rank's summary of its raw shards instead of the shards, key -> per
+    # rank, and each rank's layouts digest ([Note: Shards judged where they live], harness/judge/shards.py)
+    shard_summaries: dict | None = None
+    layout_digests: list[str] | None = None
 
     def to_dict(self) -> dict:
         out = {"step": self.step, "loss": self.loss, "grads": self.grads, "params": self.params,
@@ -110,6 +114,9 @@ class StepRecord:
             out["clipped_grads"] = self.clipped_grads
         if self.collectives is not None:
             out["collectives"] = self.collectives
+        if self.shard_summaries is not None:
+            out["shard_summaries"] = self.shard_summaries
+            out["layout_digests"] = self.layout_digests
         return out
 
 

@@ -37,6 +37,8 @@ from harness.faults import of_layer
 from harness.run import dist_faults, simulated
 from harness.judge.diff import PARAM_UNIT_ROUNDOFF, ReferenceComparison, compare_with_reference, trajectory_envelope
 from harness.judge.contracts import active_contracts
+from harness.judge.layouts import parameter_names
+from harness.judge.shards import GRAD_SUFFIX, ShardSummary, flat_slices, layouts_digest, summarize_row
 from harness.run.collectives import CollectiveLedger
 from harness.run.judged import RankJudge, on_device, record_on
 from harness.run.nodes import record_rank
@@ -82,19 +84,51 @@ class StepParts:
 
     loss: torch.Tensor  # 0-d
     digests: list[int]
-    raws: tuple[RawShard, ...]
+    raws: tuple[RawShard, ...]  # summarised: their keys and padding intervals only (data and grad None)
     clip_norm: float | None = None  # the norm this rank's clipping computed
     collectives: tuple[float, ...] = ()  # this rank's LedgerStep row, where contracts apply
+    # Judged where they live: per raw shard, the summaries of its data and gradient (None: no
+    # gradient), and the digest of the layouts they were read by ([Note: Shards judged where they live]).
+    summaries: tuple[tuple[ShardSummary, ShardSummary | None], ...] | None = None
+    layouts_digest: str | None = None
 
     @classmethod
     def take(cls, loss: torch.Tensor, raws: list[RawShard], digests: list[int],
-             clip_norm: float | None = None, collectives: tuple[float, ...] = ()) -> StepParts:
+             clip_norm: float | None = None, collectives: tuple[float, ...] = (),
+             summarized: ShardReader | None = None) -> StepParts:
+        """This step's parts, the raw shards copied, or with `summarized` summarised where they are
+        (no copy: the summaries are all that is gathered)."""
         def copy(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().clone()
 
+        if summarized is not None:
+            return cls(copy(loss), list(digests),
+                       tuple(RawShard(raw.key, None, None, tuple(raw.padding_intervals)) for raw in raws),
+                       clip_norm, tuple(collectives), summarized.summaries(raws), summarized.digest)
         return cls(copy(loss), list(digests),
                    tuple(RawShard(raw.key, copy(raw.data), copy(raw.grad), tuple(raw.padding_intervals)) for raw in raws),
                    clip_norm, tuple(collectives))
+
+
+@dataclass(frozen=True)
+class ShardReader:
+    """How a rank summarises its raw shards at a step ([Note: Shards judged where they live] in
+    harness/judge/shards.py): its rank, the step's layouts (and their digest), its own full
+    parameters, the tied names' aliases and the adapter's padding conventions."""
+
+    rank: int
+    layouts: dict
+    params: dict[str, torch.Tensor]
+    aliases: dict[str, str]
+    padding: dict[str, str]  # {"params": Padding value, "grads": ...}
+    digest: str = ""
+
+    def summaries(self, raws: list[RawShard]) -> tuple[tuple[ShardSummary, ShardSummary | None], ...]:
+        zero_data, zero_grads = self.padding["params"] == "zero", self.padding["grads"] == "zero"
+        return tuple((summarize_row(raw.data, self.rank, raw.padding_intervals, zero_data,
+                                    flat_slices(self.layouts, raw.key, self.params, self.aliases)),
+                      None if raw.grad is None else summarize_row(raw.grad, self.rank, raw.padding_intervals, zero_grads))
+                     for raw in raws)
 
 
 @dataclass(frozen=True)
@@ -108,6 +142,10 @@ class StepEvidence:
     shard_grads: dict[str, torch.Tensor]  # keys whose gradient every rank has (rank 0 only, as shards)
     padding_intervals: dict[str, list]  # key -> per rank [[start, end), ...]; empty where the shards are not (team rank > 0)
     collectives: torch.Tensor | None = None  # (W, fields of LedgerStep): every rank's, where counted
+    # Summarised where they live (no shards gathered): key (GRAD_SUFFIX for a gradient every rank
+    # has) -> per rank; and each rank's layouts digest. On the team's rank 0 only.
+    shard_summaries: dict[str, list[ShardSummary]] | None = None
+    layout_digests: list[str] | None = None
 
 
 # Evidence is gathered once per batch of steps: with 8 ranks on 2 cores a gloo collective costs
@@ -134,8 +172,12 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
     The same all-gather agrees on which shard gradients every rank has: torch FSDP1 leaves the
     gradient of a shard that is all padding None, so such a key records no shard gradients.
     """
-    counts = [float(c) for p in parts for c in [len(raw.padding_intervals) for raw in p.raws]
-              + [raw.grad is not None for raw in p.raws]]
+    summarized = bool(parts) and parts[0].summaries is not None  # the same on every rank (run_cell's choice)
+
+    def has_grads(p: StepParts) -> list[bool]:
+        return [g is not None for _, g in p.summaries] if summarized else [raw.grad is not None for raw in p.raws]
+
+    counts = [float(c) for p in parts for c in [len(raw.padding_intervals) for raw in p.raws] + has_grads(p)]
     device = parts[0].loss.device
     agreed = (_all_gather_rows(torch.tensor(counts, dtype=torch.float64, device=device), ctx).cpu() if counts
               else torch.zeros(1, 0))
@@ -161,6 +203,8 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
         for raw, (cap, has_grad) in zip(p.raws, shape):
             intervals = list(raw.padding_intervals) + [(0, 0)] * (cap - len(raw.padding_intervals))
             small.append(torch.tensor(intervals, dtype=torch.float64, device=device).reshape(-1))
+            if summarized:
+                continue
             big.setdefault(raw.data.dtype, []).append(raw.data.reshape(-1))
             if has_grad:
                 big.setdefault(raw.grad.dtype, []).append(raw.grad.reshape(-1))
@@ -189,8 +233,17 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
                     raise RuntimeError(f"rank {ctx.rank}: gathered {gathered.shape[1]} {dtype} shard values, cut {at}")
             del gathered
         big_at[dtype] = 0
+    summaries = None  # per rank, per step: (layouts digest, the step's summaries); on the team's rank 0
+    if summarized:
+        mine = [(p.layouts_digest, p.summaries) for p in parts]
+        if ctx.group is None:
+            summaries = [mine]
+        else:
+            summaries = [None] * ctx.world_size if ctx.rank == 0 else None
+            dist.gather_object(mine, summaries, dst=dist.get_global_rank(ctx.group, 0), group=ctx.group)
+        big_rows = {} if ctx.rank == 0 else None
     out, at = [], 0
-    for p, shape in zip(parts, layout):
+    for i, (p, shape) in enumerate(zip(parts, layout)):
         losses = rows[:, at].to(p.loss.dtype)
         clip_norms = rows[:, at + 1].clone()
         digests = rows[:, at + 2 : at + 2 + len(p.digests)].long()
@@ -199,7 +252,6 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
         at += len(p.collectives)
         shards, shard_grads, padding_intervals = {}, {}, {}
         for raw, (cap, has_grad) in zip(p.raws, shape):
-            n = raw.data.numel()
             if big_rows is not None:  # read with the shards, where they are judged: W lists on one rank, not on W
                 per_rank = rows[:, at : at + 2 * cap].long().view(ctx.world_size, cap, 2).tolist()
                 padding_intervals[raw.key] = [[[a, b] for a, b in ivs if b > a] for ivs in per_rank]
@@ -209,11 +261,19 @@ def gather_evidence(parts: list[StepParts], ctx: RankContext) -> list[StepEviden
                     continue
                 if big_rows is not None:  # (W, n), contiguous: the judge reads a row's bytes
                     into[raw.key] = big_rows[t.dtype][big_at[t.dtype]]
-                    if into[raw.key].shape[1] != n:
+                    if into[raw.key].shape[1] != t.numel():
                         raise RuntimeError(f"rank {ctx.rank}: gathered {into[raw.key].shape[1]} values of shard "
-                                           f"{raw.key!r} per rank, took {n}")
+                                           f"{raw.key!r} per rank, took {t.numel()}")
                 big_at[t.dtype] += 1
-        out.append(StepEvidence(losses, digests, clip_norms, shards, shard_grads, padding_intervals, collectives))
+        shard_summaries = layout_digests = None
+        if summaries is not None:
+            per_rank = [rank_parts[i] for rank_parts in summaries]
+            layout_digests = [digest for digest, _ in per_rank]
+            shard_summaries = {raw.key: [theirs[j][0] for _, theirs in per_rank] for j, raw in enumerate(p.raws)}
+            shard_summaries.update((raw.key + GRAD_SUFFIX, [theirs[j][1] for _, theirs in per_rank])
+                                   for j, (raw, (_, has_grad)) in enumerate(zip(p.raws, shape)) if has_grad)
+        out.append(StepEvidence(losses, digests, clip_norms, shards, shard_grads, padding_intervals, collectives,
+                                shard_summaries, layout_digests))
     if at != rows.shape[1] or (big_rows is not None and any(big_at[d] != len(r) for d, r in big_rows.items())):
         raise RuntimeError(f"rank {ctx.rank}: gathered {rows.shape[1]} evidence values and "
                            f"{[len(r) for r in big_rows.values()] if big_rows is not None else '?'} shards per "
@@ -399,6 +459,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     # names and structure; the values of the buffers, where they are not given
     plain = case.build_shapes() if init_buffers is not None else case.build_model()
     names = [n for n, _ in plain.named_parameters()]
+    aliases = parameter_names(plain)[1]  # tied name -> the name its evidence is under
     grad_names = [n for n, p in plain.named_parameters() if p.requires_grad]
     known_names = {n for n, _ in plain.named_parameters(remove_duplicate=False)}
     buffer_names = [n for n, _ in plain.named_buffers()]
@@ -497,8 +558,12 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                                 record_on(helper.step(step), ctx.device))
         if ledger is not None:
             ledger.taken = replace(ledger.taken, optimizer_state_elements=adapter.local_optimizer_state_elements(optim))
+        reader = None
+        if judge_here:  # the raw shards judged where they are ([Note: Shards judged where they live])
+            step_layouts = record["layouts"] if record else adapter.layouts(wrapped)
+            reader = ShardReader(ctx.rank, step_layouts, params, aliases, header["padding"], layouts_digest(step_layouts))
         pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests, clip_norm,
-                                             ledger.taken.to_row() if ledger is not None else ()),
+                                             ledger.taken.to_row() if ledger is not None else (), reader),
                         len(replicas["names"]), record))
         params_before, buffers_before = params, buffers
         if len(pending) == per_gather or step == cell.steps:
@@ -531,7 +596,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                         record["shadow"], ev.shards, ev.shard_grads, ev.padding_intervals,
                         {"names": record["replica_names"], "digests": ev.digests[:, :num_replicas]},
                         record["layouts"], ev.clip_norms if features.clip_norm_type is not None else None,
-                        record["clipped_grads"], ev.collectives)
+                        record["clipped_grads"], ev.collectives, ev.shard_summaries, ev.layout_digests)
                     if judge is None:
                         steps.append(rec)
                     else:  # judged now, and let go

@@ -149,3 +149,24 @@ def test_frozen_parameters_are_judged_as_the_parent_judges_them(tmp_path_factory
     (_, parent, _), (_, ranks, _) = _run(tmp, "parent", **args), _run(tmp, "ranks", **args)
     _assert_same_results(parent, ranks)
     assert all(str(r.verdict) == "pass" for r in ranks.values())
+
+
+def test_the_shard_checks_judged_on_each_rank_are_the_parents(tmp_path_factory):
+    """The raw shards are judged on the rank that holds them and only summaries are gathered
+    ([Note: Shards judged where they live] in harness/judge/shards.py): a shard's non-finite
+    element, a parameter's non-zero padding and a gathered parameter that contradicts its shards
+    (the state-dict gather a slot late) are named as the parent names them from the snapshot's
+    rows, with the same element, value, rank and count, at W = 2 and 4. (uneven_tiny's last rank
+    holds alignment padding at the element the NaN is planted in, which the gradient's zeroing
+    clears: there the fault does not reach the numbers, and both ways pass it.)"""
+    tmp = tmp_path_factory.mktemp("judged_shards")
+    args = dict(cases=("mlp", "uneven_tiny"), world_sizes=(2, 4), steps=2,
+                fault_copies=("grad_nan_one_element", "padding_garbage_at_init", "state_gather_rank_order"))
+    (_, parent, _), (plan, ranks, _) = _run(tmp, "parent", **args), _run(tmp, "ranks", **args)
+    assert plan.judged_on_ranks == ("mlp", "uneven_tiny")
+    _assert_same_results(parent, ranks)
+    named = {(r.cell.faults, v.check, v.gathered, v.name.endswith("(grad)"))
+             for r in ranks.values() for o in r.optimizers.values() for v in o.violations}
+    assert (("grad_nan_one_element",), "nonfinite", False, True) in named  # in a gradient shard
+    assert any(f == ("padding_garbage_at_init",) and c == "padding" for f, c, _, _ in named)
+    assert any(f == ("state_gather_rank_order",) and c == "replicas" and g for f, c, g, _ in named)
