@@ -33,7 +33,7 @@ from cases.catalog import Case, get_case
 from cases.features import DTYPES
 from harness.judge.layouts import LayoutError, first_bit_difference
 from harness.judge.shards import GRAD_SUFFIX, ShardSummary, summarize_rows
-from harness.judge.checks import CHECK_ORDER, buffers
+from harness.judge.checks import CHECK_ORDER, buffers, padding
 from harness.judge.checks.base import CheckStats, coords
 from harness.judge.contracts import contract_violations, model_size
 from harness.judge.result import (ALL_PARAMETERS, CLIP_NORM, GRAD_STATISTICS, RUN_UPDATE_STATISTICS,
@@ -1026,15 +1026,7 @@ class CellJudge:
                                                   float("nan"), float("nan"), rank=r))
 
         # padding: exactly zero where the adapter declares Padding.ZERO
-        for key, summaries, padding_judged in shard_summaries:
-            if not padding_judged:
-                continue
-            stats["padding"].add(sum(s.padding for s in summaries))
-            for r, s in enumerate(summaries):
-                if s.nonzero_padding is not None:
-                    f = s.nonzero_padding
-                    viol.append(Violation(kind, step, "padding", key, float("inf"), abs(f.value), 0.0, f.value, 0.0,
-                                          index=f.index, rank=r, in_padding=True, num_violating=f.count))
+        viol.extend(padding.violations(kind, step, shard_summaries, stats["padding"]))
 
         # contract: each configured feature did what it promises to the collectives
         if self.contracts:

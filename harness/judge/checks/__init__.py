@@ -51,7 +51,7 @@ CHECKS: tuple[Check, ...] = (
           "sign test", "harness/judge/diff.py CellJudge.step, StepBounds.step_flat"),
     Check("replicas", "every replica's full parameters and gradients agree bit for bit", "exact",
           "harness/judge/diff.py CellJudge.step"),
-    Check("padding", "padding the adapter declares zero is zero", "exact", "harness/judge/diff.py CellJudge.step"),
+    Check("padding", "padding the adapter declares zero is zero", "exact", "harness/judge/checks/padding.py"),
     Check("contract", "each configured feature does what it promises to the collectives", "exact",
           "harness/judge/contracts.py"),
     Check("trajectory", "the parameters stay within the perturbed reference runs' envelope over the whole run",
