@@ -280,15 +280,29 @@ def sign_counts(seg: Segments, diff: torch.Tensor, expected: torch.Tensor,
 def kept_for_signs(diff: torch.Tensor, expected: torch.Tensor, inputs: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The elements of one slice of a tensor the sign test reads (a finite, non-zero difference),
-    in order: `sign_counts_of_kept` over every slice's, in order, is `sign_counts` of the tensor."""
+    in order: `sign_counts_of_kept` over every slice's, in order, is `sign_counts` of the tensor.
+
+    A tensor's slices are kept until its last (the sign test dedups over the whole tensor), so
+    they are kept small: of the difference only its sign is read (one byte: +1 or -1, non-zero and
+    finite as the difference was), and the inputs (the parameter before the step, read for their
+    order and their runs of equal values) in float32 where that holds them exactly, as it does a
+    float32, bfloat16 or float16 parameter's: the same order, the same runs, half the bytes."""
     keep = nonzero_finite(diff)
-    return diff[keep], expected[keep], None if inputs is None else inputs[keep]
+    kept_inputs = None
+    if inputs is not None:
+        kept_inputs = inputs[keep]
+        narrow = kept_inputs.float()
+        if bool((narrow.double() == kept_inputs).all()):
+            kept_inputs = narrow
+    return diff[keep].sign().to(torch.int8), expected[keep], kept_inputs
 
 
 def sign_counts_of_kept(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> SignCounts:
     """One tensor's counts from its slices' `kept_for_signs`, in order: the same elements in the
     same positions' order, so the same stable sort and the same first element of each run."""
     diffs, expected, inputs = zip(*parts)
+    if inputs[0] is not None and len({t.dtype for t in inputs}) > 1:  # a slice kept its inputs in float64
+        inputs = [t.double() for t in inputs]
     return _sign_counts_of_one(torch.cat(diffs), torch.cat(expected),
                                None if inputs[0] is None else torch.cat(inputs))
 

@@ -121,9 +121,21 @@ def test_slices_merge_to_the_whole_tensors_figures(plant):
     assert repr(merge_outcomes(parts)) == repr(whole)
     inputs = expected * 3 + 1
     one = Segments([torch.Size([n])])
-    for args in ((actual - expected, expected, None), (actual - expected, expected, inputs)):
+    # Inputs a float32 holds (a float32 parameter's), runs of equal ones included; and the same with
+    # two inputs of one float32 rounding but distinct in float64, beside equal expected values: kept
+    # narrow, they would be one coin, not two (and one slice keeps float64 inputs, the others not).
+    exact = inputs.float().double()
+    exact[6::11] = exact[4::11][: exact[6::11].numel()]
+    close = exact.clone()
+    close[27] = exact[26] * (1 + 2.0 ** -40)
+    assert close[27] != close[26] and close[27].float() == close[26].float() and expected[27] == expected[26]
+    assert bool((actual[26:28] != expected[26:28]).all())  # both differ: both read by the sign test
+    for args in ((actual - expected, expected, None), (actual - expected, expected, inputs),
+                 (actual - expected, expected, exact), (actual - expected, expected, close)):
         kept = [kept_for_signs(*(None if t is None else t[a:a + width] for t in args)) for a in starts]
         assert sign_counts_of_kept(kept) == sign_counts(one, *args)[0]
+    assert {kept_for_signs(actual - expected, expected, t)[2].dtype for t in (inputs, exact, close)} == \
+        {torch.float64, torch.float32}
     value = torch.where(expected == 0, 0.0, expected.abs() + 1)
     by_whole, by_slices = CheckStats(), CheckStats()
     by_whole.add_samples(one, tol, value)
