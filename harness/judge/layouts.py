@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from harness.judge.shards import GRAD_SUFFIX, row_differing
+from harness.judge.shards import GRAD_SUFFIX, first_bit_difference_count, row_differing
 
 
 class LayoutError(ValueError):
@@ -79,13 +79,8 @@ def first_bit_difference(actual: torch.Tensor, expected: torch.Tensor) -> int | 
     differs from 0.0); a shape or dtype mismatch is element 0. 0-d tensors included."""
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
         return 0
-    a = actual.detach().contiguous().reshape(-1)
-    e = expected.detach().contiguous().reshape(-1)
-    if a.numel() == 0:
-        return None
-    width = a.element_size()
-    differs = (a.view(torch.uint8).view(-1, width) != e.view(torch.uint8).view(-1, width)).any(dim=1)
-    return int(differs.nonzero()[0].item()) if bool(differs.any()) else None
+    found = first_bit_difference_count(actual.detach().reshape(-1), expected.detach().reshape(-1))
+    return None if found is None else found[0]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -89,7 +89,11 @@ def _first(bad: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | No
 
 
 def first_bit_difference_count(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int] | None:
-    """(first element whose bits differ, how many do) of two 1-D tensors of one dtype; None: equal."""
+    """(first element whose bits differ, how many do) of two 1-D tensors of one dtype and size; None:
+    equal (a NaN equals the same NaN, -0.0 differs from 0.0). harness/judge/layouts.py
+    `first_bit_difference` is its first part."""
+    if a.numel() == 0:
+        return None
     a_bits, b_bits = (t.contiguous().view(torch.uint8).view(-1, t.element_size()) for t in (a, b))
     bad = (a_bits != b_bits).any(dim=1)
     if not bool(bad.any()):
@@ -126,7 +130,7 @@ def summarize_row(row: torch.Tensor, rank: int, intervals, padding_judged: bool,
         at = padding_positions(intervals, numel)
     except ValueError as e:
         return ShardSummary(numel, error=str(e))
-    if padding_judged:
+    if padding_judged or not at.numel():
         judged = row
     else:  # padding of an unspecified convention may hold anything: zeroed in a copy
         judged = row.clone()
