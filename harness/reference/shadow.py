@@ -8,7 +8,7 @@ gradient terms with the same operations on the same shapes.
 model, every rank's local forward/backward on that rank's local batch (W ranks x M micro-batches,
 one pass when the data is identical on every rank). What it returns is the reference of the error
 model (docs/error_model.md): each rank's exact local loss, the exact mean of the K local gradient
-terms (float64), sum |term| / W (float64), and the plain optimizer's step from the mean rounded to
+terms (float64), sum |term| / W (float32 rounded up: [Note: Bounds kept in float32, rounded up]), and the plain optimizer's step from the mean rounded to
 the parameter dtype, with the hyperparameters each parameter stepped with (its group's, at this
 step's learning rate). `perturbed_step` is one step of a perturbed reference run (the trajectory
 envelope), with noise of the amplitude `noise_amplitude` measures.
@@ -27,8 +27,8 @@ from cases.data import Batch, batch_size, local_batch, map_tensors
 from cases.features import DTYPES
 from harness.adapters.features import CastCompute
 from harness.adapters.local_step import forward_backward
-from harness.reference.tolerance import (REORDER_FACTOR, ReductionModel, clip_coefficient, underflow_error,
-                                     unit_roundoff)
+from harness.reference.tolerance import (REORDER_FACTOR, ReductionModel, clip_coefficient, elementwise_in_chunks,
+                                         round_up_to_float32, underflow_error, unit_roundoff)
 
 
 # [Note: Reordered accumulation]
@@ -171,6 +171,14 @@ def replay_model(case: Case, init_state: dict[str, torch.Tensor], init_buffers: 
     return model.to(device)
 
 
+def _kept_up(abs_sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """sum |term| / W, a bound's input held until the judge reads it, as float32 rounded up
+    ([Note: Bounds kept in float32, rounded up] in harness/reference/tolerance.py), a tensor at a time."""
+    for name in list(abs_sums):
+        abs_sums[name] = elementwise_in_chunks(lambda a: (round_up_to_float32(a),), abs_sums[name])[0]
+    return abs_sums
+
+
 def _allowance(reordered: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per gradient tensor, REORDER_FACTOR x the reordered replays' largest deviation."""
     return {n: REORDER_FACTOR * d.amax().cpu() if d.numel() else torch.zeros((), dtype=torch.float64)
@@ -279,11 +287,11 @@ class Shadow:
                     deviation[name] = dev if name not in deviation else torch.maximum(deviation[name], dev)
         if data_mode == "identical":
             # Every rank computed this same local term: their mean is it, sum |term| / W is |it|.
-            return torch.stack(losses * world_size), grad_sum, abs_sum, deviation
+            return torch.stack(losses * world_size), grad_sum, _kept_up(abs_sum), deviation
         for sums in (grad_sum, abs_sum, deviation):  # in place: this function's own float64 sums
             for t in sums.values():
                 t.div_(world_size)
-        return torch.stack(losses), grad_sum, abs_sum, deviation
+        return torch.stack(losses), grad_sum, _kept_up(abs_sum), deviation
 
     def _reordered(self, inputs, targets, num_micro: int, draws: list[dict], harvest_into, rank: int) -> None:
         """Add to each of `draws` this rank's local gradient terms under perturbed accumulation
@@ -480,8 +488,10 @@ class Shadow:
                    reordered: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """(bound of the per-sample reduction + the largest local-shape difference) + the reordering
         allowance, per gradient. Consumes `grads` and `reordered`; every intermediate is folded
-        into one float64 tensor per gradient as soon as it is measured, so the passes hold about
-        four model-sized float64 dicts at a time, not six."""
+        into one tensor per gradient as soon as it is measured (the split means into one float64
+        maximum; the per-sample sum |term| / K kept as the replay keeps it, float32 rounded up, and
+        turned into its bound at the end), so the passes hold about three and a half model-sized
+        float64 dicts at a time, not six."""
         num_samples = batch_size(batch)
         features = self.case.features
         precision = ReductionModel.for_cell(1, self.num_micro, features.compute_dtype,
@@ -500,12 +510,13 @@ class Shadow:
         identical_terms = max(self.world_sizes) * self.num_micro if "identical" in self.case.data_modes else 0
         model = ReductionModel(max(num_samples, identical_terms), u, precision.casts,
                                max(precision.eta, underflow_error(features.compute_dtype)))
-        bound: dict[str, torch.Tensor] = {}
+        # Per gradient, what the reduction bound is computed from at the end: sum |term| / K of the
+        # per-sample terms (float32, rounded up), or |g| itself; kept instead of the float64 bound.
+        bound_of: dict[str, torch.Tensor] = {}
         shape: dict[str, torch.Tensor] = {}  # the largest |whole-batch gradient - a split's mean| so far
         if "split" in self.case.data_modes:
-            _, per_sample_mean, per_sample_abs, _ = self._terms(batch, "split", num_samples, 1, reorder=False)
+            _, per_sample_mean, bound_of, _ = self._terms(batch, "split", num_samples, 1, reorder=False)
             for name, g in grads.items():
-                bound[name] = model.grad_bound(per_sample_abs.pop(name))
                 # A sample's gradient is itself a sum over its rows (a sequence's tokens), which a
                 # batched backward sums in another order than a per-sample one; where those rows
                 # cancel (an attention key bias, whose exact gradient is zero) this difference
@@ -526,10 +537,10 @@ class Shadow:
             # alone is no term of the batch's gradient): every rank computes the whole batch, so
             # the honest error is the reduction of equal terms (bounded as K of them, above).
             for name, g in grads.items():
-                bound[name] = model.grad_bound(g.abs())
+                bound_of[name] = g.abs()
                 shape[name] = (g - g).abs()  # the whole batch is its own mean (NaN where g is not finite)
         amplitudes = {}
         for name in list(grads):
             del grads[name]
-            amplitudes[name] = (bound.pop(name) + shape.pop(name) + reordered.pop(name, 0)).cpu()
+            amplitudes[name] = (model.grad_bound(bound_of.pop(name)) + shape.pop(name) + reordered.pop(name, 0)).cpu()
         return amplitudes

@@ -27,7 +27,7 @@ accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is 
                 "buffers": {"values": {...}, "digests": (W, ...)},  # as in init, after the step
                 "shadow": {"loss": (W,) tensor,              # each rank's replayed local loss
                            "grads": {...} float64,           # exact mean of the local terms
-                           "abs_grads": {...} float64,       # sum |local term| / W
+                           "abs_grads": {...} float32,       # sum |local term| / W, rounded up
                            "params": {...}, "state": {name: {state key: tensor}},
                            "buffers": {...}}}],                # rank 0's buffers after the replay
      "perturbed": [[{name: tensor} per step] per run]}  # reference cells only

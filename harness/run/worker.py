@@ -565,6 +565,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         pending.append((step, StepParts.take(loss, adapter.raw_shards(wrapped), digests, clip_norm,
                                              ledger.taken.to_row() if ledger is not None else (), reader),
                         len(replicas["names"]), record))
+        grads = clipped_grads = record = None  # held by the pending step's record until it is judged
         params_before, buffers_before = params, buffers
         if len(pending) == per_gather or step == cell.steps:
             gathered = gather_evidence([parts for _, parts, _, _ in pending], ctx)
@@ -582,7 +583,11 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                 box = [None]
                 dist.recv_object_list(box, src=reference_rank, group=ctx.group)
                 references.update((c.step, c) for c in box[0])
-            for (taken, _, num_replicas, record), ev in zip(pending, gathered):
+            # Each step's record is let go as soon as it is judged: popped, so that nothing of this
+            # loop (its replay's float64 sums, the cell's gradients) outlives it into the next step's
+            # training, where it would add to the rank's peak (the memory release below returns it).
+            for ev in gathered:
+                taken, _, num_replicas, record = pending.pop(0)
                 buffer_digests = ev.digests[:, num_replicas:num_replicas + len(buffer_names)]
                 if taken == 1:
                     init_buffer_digests = ev.digests[:, num_replicas + len(buffer_names):]
@@ -601,9 +606,10 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                         steps.append(rec)
                     else:  # judged now, and let go
                         judge.take(rec.to_dict())
-                        del rec
+                        del rec, record
                         release_freed_memory()
             pending, gathered = [], []
+            record = ev = None
         if step in reshard_steps:
             shard_size = max(1, ctx.world_size // 2 ** (reshard_steps.index(step) + 1))
             directory = scratch_dir / f"{cell.cell_id}.{spec.kind}.step{step}"

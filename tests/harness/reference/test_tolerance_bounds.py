@@ -375,3 +375,76 @@ def test_the_noise_is_not_measured_without_the_world_sizes_it_covers():
     with pytest.raises(ValueError, match="world sizes of the cells it covers"):
         Shadow(case, spec, init).noise_amplitude(init, batch)
     assert Shadow(case, spec, init, world_sizes=(1, 2)).noise_amplitude(init, batch)
+
+
+# -- bounds kept in float32, rounded up --------------------------------------------------------------
+
+def test_a_bound_kept_in_float32_is_the_least_float32_not_below_it():
+    """[Note: Bounds kept in float32, rounded up]: every value of a wide float64 sample (below the
+    least subnormal, subnormal, float32-exact, between two float32, beyond float32's range, 0, inf,
+    NaN) becomes a float32 not below it whose predecessor is below it."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.rand(20000, generator=g, dtype=torch.float64) * torch.logspace(-60, 60, 20000, dtype=torch.float64),
+                   torch.randn(2000, generator=g).abs().double(),  # float32-exact
+                   torch.tensor([0.0, 1e-50, 1e-44, 3e38, 4e38, 1e300, float("inf"), float("nan")], dtype=torch.float64)])
+    from harness.reference.tolerance import round_up_to_float32
+    kept = round_up_to_float32(x)
+    assert kept.dtype == torch.float32
+    real = ~x.isnan()
+    assert kept[~real].isnan().all()
+    assert (kept[real].double() >= x[real]).all(), "a kept bound below its float64 value"
+    below = torch.nextafter(kept, torch.full_like(kept, -float("inf"))).double()
+    assert (below[real & (x > 0)] < x[real & (x > 0)]).all(), "not the least float32 above the value"
+    assert (kept[2000 + 20000 - 2000:20000 + 2000].double() == x[20000:22000]).all()  # exact values kept as they are
+
+
+@pytest.mark.parametrize("spec", _OPTIMIZERS[1:], ids=_IDS[1:])
+def test_carried_optimizer_bounds_are_float32_at_or_just_above_the_float64_ones(spec, monkeypatch):
+    """The optimizer-state error carried to the next step is kept as float32 rounded up: each later
+    step's parameter bound is at or above the one carried in float64, by less than 1e-6 relative."""
+    import harness.reference.tolerance as tolerance
+
+    grads, tols, at_limit = _gradients(3000, 4, 1e-5)
+    start = torch.linspace(-0.1, 0.1, 3000)
+    state = OptimizerErrorState(spec, U32)
+    p = torch.nn.Parameter(start.clone())
+    opt = spec.build([p])
+    p.grad = grads[0].clone()
+    opt.step()
+    st = {k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+    state.param_bound("p", 1, tols[0].double(), grads[0], p.detach(), st, _hyper(opt))
+    assert {v.dtype for v in state.bounds["p"].values()} == {torch.float32}
+    kept = _drift(spec, grads, at_limit, tols, start)
+    monkeypatch.setattr(tolerance, "round_up_to_float32", lambda x: x)  # carried in float64, as before
+    exact = _drift(spec, grads, at_limit, tols, start)
+    moved = False
+    for step, ((_, k), (_, e)) in enumerate(zip(kept, exact), start=1):
+        assert (k >= e).all(), (step, (e - k).max().item())
+        assert (k <= e * (1 + 1e-6)).all(), (step, (k / e).max().item())
+        moved |= bool((k > e).any())
+    assert moved, "no bound moved: the float32 carry is not exercised"
+
+
+@pytest.mark.parametrize("data_mode", ["split", "identical"])
+def test_the_replays_absolute_sums_are_float32_upper_bounds_of_the_float64_ones(data_mode, monkeypatch):
+    """sum |term| / W, held from the replay until the judge reads it, is kept as float32 rounded up:
+    at or above the float64 sum, by at most one float32 ulp; identical data's |term| is float32
+    already and kept as it is."""
+    import harness.reference.shadow as shadow_module
+    from harness.reference.shadow import Shadow
+
+    case = get_case("transformer")
+    init = {n: t.detach().clone() for n, t in case.build_model().state_dict().items()}
+    batch = case.make_batch(case.seed, 1, case.global_batch)
+    spec = case.optimizers[0]
+    kept = Shadow(case, spec, init).step(init, batch, data_mode, 4)["abs_grads"]
+    monkeypatch.setattr(shadow_module, "round_up_to_float32", lambda x: x)
+    exact = Shadow(case, spec, init).step(init, batch, data_mode, 4)["abs_grads"]
+    assert {a.dtype for a in kept.values()} == {torch.float32}
+    moved = 0
+    for name, e in exact.items():
+        k = kept[name].double()
+        assert (k >= e).all(), name
+        assert (k <= e * (1 + 2.0**-23)).all(), name
+        moved += int((k > e).sum())
+    assert (moved > 0) == (data_mode == "split"), moved
