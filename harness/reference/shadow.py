@@ -171,6 +171,37 @@ def replay_model(case: Case, init_state: dict[str, torch.Tensor], init_buffers: 
     return model.to(device)
 
 
+# [Note: Sums by rank]
+# The exact mean of a step's K = W x M local gradient terms is summed in float64 rank by rank: each
+# rank's own terms first (its micro-batches, each use of a tied parameter, in the order the backward
+# gives them: the partial sum, a float32 term itself where the rank has one), then the W partials
+# added in rank order (`fold_partial`). A rank can thus sum its own terms where it computed them and
+# send one partial, and whoever adds the partials in rank order gets the same bits as this one process
+# does (tests/harness/reference/test_sums_by_rank.py). A float32 term is exact in float64, so with
+# one term per rank and parameter (no gradient accumulation, no tied use) the sum is the plain
+# sequential sum of the terms, as before this order was chosen; with several, the partials
+# associate the terms per rank first, which can move the mean in its last float64 bits only where
+# the terms' magnitudes span more than about 2^28 (a float64 sum of a few float32 terms within such
+# a span needs at most 24 + 28 + log2(K) <= 53 bits: exact in any order): on every catalog case without Hugging Face models, identical and
+# split at W = 1, 2, 4, the replay's sums, absolute sums and reordered deviations came out bitwise
+# the ones of the sequential sum (compared against the commit before).
+def _added(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """`total` + `term` in float64 (a float32 total, one term so far, promoted exactly first)."""
+    total = total if total.dtype == torch.float64 else total.double()
+    return total.add_(term)
+
+
+def fold_partial(totals: dict[str, torch.Tensor], partial: dict[str, torch.Tensor]) -> None:
+    """Add one rank's partial sums into `totals` (float64), the next rank in order ([Note: Sums
+    by rank]); a parameter the rank has no term for is left as it is."""
+    for name in list(partial):
+        p = partial.pop(name)
+        if name in totals:
+            totals[name].add_(p)  # add_ promotes a float32 partial exactly, inside the kernel
+        else:
+            totals[name] = p if p.dtype == torch.float64 else p.to(torch.float64)  # float64: the rank's own sum
+
+
 def _kept_up(abs_sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """sum |term| / W, a bound's input held until the judge reads it, as float32 rounded up
     ([Note: Bounds kept in float32, rounded up] in harness/reference/tolerance.py), a tensor at a time."""
@@ -234,23 +265,22 @@ class Shadow:
         uses = self._untie()
 
         def harvest_into(sums: dict, absolute: dict | None):
+            """A harvest of each micro-batch's terms into one rank's partial sums ([Note: Sums by
+            rank])."""
             def harvest(_: int) -> None:
                 for name, leaves in uses.items():
                     for leaf in leaves:
                         if leaf.grad is None:
                             continue
-                        # Accumulated in place: add_ promotes a float32 term to float64 exactly
-                        # inside the kernel (the same bits as adding its .double()), with no
-                        # model-sized temporary per term.
                         g = leaf.grad.detach()
                         if name in sums:
-                            sums[name].add_(g)
+                            sums[name] = _added(sums[name], g)
                             if absolute is not None:
-                                absolute[name].add_(g.abs())
-                        else:
-                            sums[name] = g.to(torch.float64, copy=True)
+                                absolute[name] = _added(absolute[name], g.abs())
+                        else:  # the term itself (its leaf lets it go below): exact, no copy
+                            sums[name] = g if g.dtype != torch.float64 else g.clone()  # added to in place
                             if absolute is not None:
-                                absolute[name] = g.abs().double()
+                                absolute[name] = g.abs()
                         leaf.grad = None
             return harvest
 
@@ -268,13 +298,23 @@ class Shadow:
                 for leaves in uses.values():
                     for leaf in leaves:
                         leaf.grad = None
+                partial: dict[str, torch.Tensor] = {}
+                partial_abs: dict[str, torch.Tensor] | None = {} if absolute else None
                 losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
-                                               after_micro=harvest_into(grad_sum, abs_sum if absolute else None)))
+                                               after_micro=harvest_into(partial, partial_abs)))
+                fold_partial(grad_sum, partial)
+                if partial_abs is not None:
+                    fold_partial(abs_sum, partial_abs)
+                del partial, partial_abs
                 if rank == 0 and before:
                     after_rank0 = {n: b.detach().clone() for n, b in self.buffers.items()}
                 if draws:
                     self._set_buffers(before)  # the reordered replays' forward is the same forward
-                    self._reordered(inputs, targets, num_micro, draws, harvest_into, rank)
+                    partials: list[dict[str, torch.Tensor]] = [{} for _ in draws]
+                    self._reordered(inputs, targets, num_micro, partials, harvest_into, rank)
+                    for d, p in zip(draws, partials):
+                        fold_partial(d, p)
+                    del partials
         finally:
             self._retie()
         if after_rank0:
