@@ -192,14 +192,21 @@ def _added(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
 
 
 def fold_partial(totals: dict[str, torch.Tensor], partial: dict[str, torch.Tensor]) -> None:
-    """Add one rank's partial sums into `totals` (float64), the next rank in order ([Note: Sums
-    by rank]); a parameter the rank has no term for is left as it is."""
+    """Add one rank's partial sums into `totals`, the next rank in order ([Note: Sums by rank]);
+    a parameter the rank has no term for is left as it is. A parameter's first partial is taken as
+    it is: one float32 term stays float32 (exact: the sum of one term), promoted to float64 when a
+    second rank's partial is added to it."""
     for name in list(partial):
         p = partial.pop(name)
-        if name in totals:
-            totals[name].add_(p)  # add_ promotes a float32 partial exactly, inside the kernel
-        else:
-            totals[name] = p if p.dtype == torch.float64 else p.to(torch.float64)  # float64: the rank's own sum
+        totals[name] = _added(totals[name], p) if name in totals else p
+
+
+def exact_sums(totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`totals` in float64 (a float32 one, the sum of one term, promoted exactly), in place."""
+    for name, t in totals.items():
+        if t.dtype != torch.float64:
+            totals[name] = t.double()
+    return totals
 
 
 def _kept_up(abs_sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -323,13 +330,15 @@ class Shadow:
         for name, exact in grad_sum.items():
             for d in draws:  # the largest over the draws, one draw at a time (NaN kept, as amax keeps it)
                 if name in d:
-                    dev = (d.pop(name) - exact).abs()
+                    dev = (d.pop(name).double() - exact).abs()  # in float64: exact promotions, one rounding
                     deviation[name] = dev if name not in deviation else torch.maximum(deviation[name], dev)
         if data_mode == "identical":
-            # Every rank computed this same local term: their mean is it, sum |term| / W is |it|.
+            # Every rank computed this same local term: their mean is it, sum |term| / W is |it|. A
+            # sum of one float32 term is returned as that float32 tensor (the same value as its
+            # float64 copy, half the memory).
             return torch.stack(losses * world_size), grad_sum, _kept_up(abs_sum), deviation
         for sums in (grad_sum, abs_sum, deviation):  # in place: this function's own float64 sums
-            for t in sums.values():
+            for t in exact_sums(sums).values():
                 t.div_(world_size)
         return torch.stack(losses), grad_sum, _kept_up(abs_sum), deviation
 
@@ -448,7 +457,8 @@ class Shadow:
         clipped as the case clips (with the cell's norm, when given and finite); returns the
         hyperparameters the step used."""
         for name, p in self.params.items():
-            p.grad = grads[name].to(p.dtype) if name in grads else None
+            # a copy: clipping scales it in place, and a float32 mean is the record's own tensor
+            p.grad = grads[name].to(p.dtype, copy=True) if name in grads else None
         if self.clip is not None and clip_norm is not None and math.isfinite(clip_norm):
             grads_now = [p.grad for p in self.params.values() if p.grad is not None]
             if grads_now:

@@ -26,7 +26,7 @@ accepts: dicts, lists, str, int, float, bool, None and tensors; nothing else is 
                              "digests": (W, len(names)) int64},  # 52-bit digest per rank
                 "buffers": {"values": {...}, "digests": (W, ...)},  # as in init, after the step
                 "shadow": {"loss": (W,) tensor,              # each rank's replayed local loss
-                           "grads": {...} float64,           # exact mean of the local terms
+                           "grads": {...} float64,           # exact mean of the local terms (float32: one term, exact)
                            "abs_grads": {...} float32,       # sum |local term| / W, rounded up
                            "params": {...}, "state": {name: {state key: tensor}},
                            "buffers": {...}}}],                # rank 0's buffers after the replay

@@ -34,3 +34,19 @@ def test_the_split_replay_is_the_ranks_own_sums_added_in_rank_order(name):
     assert set(totals) == set(grads)
     for n, t in totals.items():
         assert torch.equal(t / w, grads[n]), n
+
+
+@pytest.mark.parametrize("name", ["clip_grad_norm", "mlp"])
+def test_one_term_stays_float32_and_the_record_keeps_it_unclipped(name):
+    """Identical data, one micro-batch: the exact mean is one float32 term per parameter, kept as
+    that float32 tensor (the same value as its float64 copy); the optimizer steps a copy of it, so
+    clipping (which scales gradients in place) leaves the record's mean as the replay computed it."""
+    case = get_case(name)
+    init = {n: t.detach().clone() for n, t in case.build_model().state_dict().items()}
+    batch = case.make_batch(case.seed, 1, case.global_batch)
+    shadow = Shadow(case, case.optimizers[0], init)
+    _, fresh, _, _ = shadow._terms(batch, "identical", 2, 1, reorder=False)
+    rec = Shadow(case, case.optimizers[0], init).step(init, batch, "identical", 2, reorder=False)
+    assert {g.dtype for g in fresh.values()} == {torch.float32}
+    for n, g in fresh.items():
+        assert torch.equal(rec["grads"][n], g), n
