@@ -219,7 +219,7 @@ def clip_coefficient_error(grads: dict[str, torch.Tensor], grad_tols: dict[str, 
 def round_up_to_float32(x: torch.Tensor) -> torch.Tensor:
     """The least float32 >= each element of `x` (float64; NaN kept)."""
     f = x.float()
-    return torch.where(f.double() < x, torch.nextafter(f, torch.full_like(f, math.inf)), f)
+    return torch.where(f.double() < x, torch.nextafter(f, torch.tensor(math.inf, device=f.device)), f)
 
 
 # Elementwise float64 arithmetic over a whole model allocates a fresh tensor of the model's size per
