@@ -395,7 +395,7 @@ def test_a_bound_kept_in_float32_is_the_least_float32_not_below_it():
     assert (kept[real].double() >= x[real]).all(), "a kept bound below its float64 value"
     below = torch.nextafter(kept, torch.full_like(kept, -float("inf"))).double()
     assert (below[real & (x > 0)] < x[real & (x > 0)]).all(), "not the least float32 above the value"
-    assert (kept[2000 + 20000 - 2000:20000 + 2000].double() == x[20000:22000]).all()  # exact values kept as they are
+    assert (kept[20000:22000].double() == x[20000:22000]).all()  # float32-exact values kept as they are
 
 
 @pytest.mark.parametrize("spec", _OPTIMIZERS[1:], ids=_IDS[1:])
