@@ -27,8 +27,8 @@ from cases.data import Batch, batch_size, local_batch, map_tensors
 from cases.features import DTYPES
 from harness.adapters.features import CastCompute
 from harness.adapters.local_step import forward_backward
-from harness.reference.tolerance import (REORDER_FACTOR, ReductionModel, clip_coefficient, elementwise_in_chunks,
-                                         round_up_to_float32, underflow_error, unit_roundoff)
+from harness.reference.tolerance import (REORDER_FACTOR, ReductionModel, accumulate_in_chunks, clip_coefficient,
+                                         elementwise_in_chunks, round_up_to_float32, underflow_error, unit_roundoff)
 
 
 # [Note: Reordered accumulation]
@@ -185,10 +185,11 @@ def replay_model(case: Case, init_state: dict[str, torch.Tensor], init_buffers: 
 # a span needs at most 24 + 28 + log2(K) <= 53 bits: exact in any order): on every catalog case without Hugging Face models, identical and
 # split at W = 1, 2, 4, the replay's sums, absolute sums and reordered deviations came out bitwise
 # the ones of the sequential sum (compared against the commit before).
-def _added(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
-    """`total` + `term` in float64 (a float32 total, one term so far, promoted exactly first)."""
+def _added(total: torch.Tensor, term: torch.Tensor, absolute: bool = False) -> torch.Tensor:
+    """`total` + `term` (+ |`term`| with `absolute`) in float64 (a float32 total, one term so far,
+    promoted exactly first), in place on a float64 total, a chunk at a time (`accumulate_in_chunks`)."""
     total = total if total.dtype == torch.float64 else total.double()
-    return total.add_(term)
+    return accumulate_in_chunks(total, term, absolute)
 
 
 def fold_partial(totals: dict[str, torch.Tensor], partial: dict[str, torch.Tensor]) -> None:
@@ -216,6 +217,12 @@ def _kept_up(abs_sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if a.dtype == torch.float64:  # a float32 one is one term's |term|: exact already
             abs_sums[name] = elementwise_in_chunks(lambda x: (round_up_to_float32(x),), a)[0]
     return abs_sums
+
+
+def _abs_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in float64 (exact promotions, one rounding), a chunk at a time: no model-sized
+    temporaries beside the result."""
+    return elementwise_in_chunks(lambda x, y: ((x.double() - y.double()).abs_(),), a, b)[0]
 
 
 def _allowance(reordered: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -284,7 +291,7 @@ class Shadow:
                         if name in sums:
                             sums[name] = _added(sums[name], g)
                             if absolute is not None:
-                                absolute[name] = _added(absolute[name], g.abs())
+                                absolute[name] = _added(absolute[name], g, absolute=True)
                         else:  # the term itself (its leaf lets it go below): exact, no copy
                             sums[name] = g if g.dtype != torch.float64 else g.clone()  # added to in place
                             if absolute is not None:
@@ -331,8 +338,10 @@ class Shadow:
         for name, exact in grad_sum.items():
             for d in draws:  # the largest over the draws, one draw at a time (NaN kept, as amax keeps it)
                 if name in d:
-                    dev = (d.pop(name).double() - exact).abs()  # in float64: exact promotions, one rounding
-                    deviation[name] = dev if name not in deviation else torch.maximum(deviation[name], dev)
+                    # in float64: exact promotions, one rounding; a chunk at a time (no model-sized temporaries)
+                    dev = _abs_difference(d.pop(name), exact)
+                    deviation[name] = dev if name not in deviation else torch.maximum(deviation[name], dev,
+                                                                                      out=deviation[name])
         if data_mode == "identical":
             # Every rank computed this same local term: their mean is it, sum |term| / W is |it|. A
             # sum of one float32 term is returned as that float32 tensor (the same value as its
@@ -572,7 +581,7 @@ class Shadow:
                 # batched backward sums in another order than a per-sample one; where those rows
                 # cancel (an attention key bias, whose exact gradient is zero) this difference
                 # dwarfs the reduction bound of the per-sample terms.
-                shape[name] = (g - per_sample_mean.pop(name)).abs()
+                shape[name] = _abs_difference(g, per_sample_mean.pop(name))
             # The local computation on each batch size a cell of this case runs (B / W samples per
             # rank, in M micro-batches) differs from the whole batch's in its own bits: the noise
             # covers each, so a cell's step-1 deviation is never larger than the noise's amplitude.
@@ -581,7 +590,7 @@ class Shadow:
                     _, split_mean, _, _ = self._terms(batch, "split", w, self.num_micro, reorder=False, absolute=False)
                     for n, g in grads.items():
                         if n in split_mean:  # the max is exact: its order is free
-                            shape[n] = torch.maximum((g - split_mean.pop(n)).abs(), shape[n])
+                            shape[n] = torch.maximum(_abs_difference(g, split_mean.pop(n)), shape[n], out=shape[n])
                     del split_mean
         else:
             # Identical data only (a model coupling its samples, as BatchNorm does, where a sample
@@ -593,5 +602,7 @@ class Shadow:
         amplitudes = {}
         for name in list(grads):
             del grads[name]
-            amplitudes[name] = (model.grad_bound(bound_of.pop(name)) + shape.pop(name) + reordered.pop(name, 0)).cpu()
+            amplitudes[name] = elementwise_in_chunks(
+                lambda b, s, r: (model.grad_bound(b) + s + (0 if r is None else r),),
+                bound_of.pop(name), shape.pop(name), reordered.pop(name, None))[0].cpu()
         return amplitudes

@@ -249,6 +249,25 @@ def elementwise_in_chunks(fn, *tensors):
     return tuple(o.view(shape) for o in outs)
 
 
+def accumulate_in_chunks(total: torch.Tensor, term: torch.Tensor, absolute: bool = False) -> torch.Tensor:
+    """`total` += `term` (its absolute value with `absolute`) in place, `total` contiguous and of a
+    wider or the same dtype: each chunk of `term` converted to `total`'s dtype (exact: a widening
+    conversion), then added, which is what `total.add_(term)` computes element by element, so the
+    same bits. Torch's loop over mixed dtypes converts element by element and measured 6x slower on
+    this VM (a float32 term into a float64 sum of 124M elements: 0.56 s against 0.09 s), and
+    `term.abs()` would allocate a term-sized tensor first."""
+    flat_total, flat_term = total.view(-1), term.reshape(-1)
+    if flat_total.numel() != flat_term.numel():
+        raise ValueError(f"accumulate_in_chunks: {flat_term.numel()} elements into {flat_total.numel()}")
+    for start in range(0, flat_total.numel(), CHUNK_ELEMENTS):
+        end = min(flat_total.numel(), start + CHUNK_ELEMENTS)
+        part = flat_term[start:end]
+        if absolute:  # a copy where no conversion made one: the term itself is left as it is
+            part = part.to(total.dtype).abs_() if part.dtype != total.dtype else part.abs()
+        flat_total[start:end].add_(part.to(total.dtype))
+    return total
+
+
 @dataclass
 class OptimizerErrorState:
     """Per-parameter bounds on |candidate state - shadow state|, carried across steps. The
