@@ -466,7 +466,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
 # [Note: The judge by pieces]
 # Every check of a parameter is elementwise, with per-tensor reductions (the largest ratio and its
 # first element, the failing element and count, the sign counts of the bias check), so a model is
-# judged one piece at a time: a run of consecutive tensors of at most PIECE_ELEMENTS (2^20)
+# judged one piece at a time: a run of consecutive tensors of at most PIECE_ELEMENTS (2^18)
 # elements, or one slice of PIECE_ELEMENTS of a bigger tensor (`CellJudge.param_pieces`; a slice
 # has a key of its own, "name[start:end]", under which the replay's record holds its 1-D views,
 # `piece_of`, and its optimizer-state bounds are carried). Each piece's tolerances come from the
@@ -482,8 +482,11 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
 # summed across tensors except integer counts and the clipping norm, which a case that clips needs
 # over the whole model: such a case is judged in one piece. A model of at most PIECE_ELEMENTS is
 # one piece, the computation as before pieces; more pieces give the same verdict, margins,
-# statistics and first divergence (tests/harness/judge/test_judge_pieces.py).
-PIECE_ELEMENTS = 1 << 20
+# statistics and first divergence (tests/harness/judge/test_judge_pieces.py). 2^18 elements make a
+# piece's float64 temporaries 2 MiB, below the 4 MiB from which the allocator maps each block on its
+# own where memory is tight ([Note: Freed memory returned], harness/run/launch.py), so they are
+# reused from the heap, not page-faulted in and zero-filled afresh by each operation.
+PIECE_ELEMENTS = 1 << 18
 # The replay's records that hold one entry per parameter name.
 PER_NAME_KEYS = ("grads", "abs_grads", "num_terms", "reorder", "params", "hyper", "state")
 
