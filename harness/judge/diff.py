@@ -108,6 +108,14 @@ def compare(actual: torch.Tensor, expected: torch.Tensor) -> DiffStats:
                      numel=actual.numel())
 
 
+def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """max |a - b| in float64 (0-d; NaN where any difference is NaN), a chunk at a time
+    (CHUNK_ELEMENTS): the maximum of the whole, without its model-sized temporaries."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    return torch.stack([(a[i:i + CHUNK_ELEMENTS].double() - b[i:i + CHUNK_ELEMENTS].double()).abs().max()
+                        for i in range(0, a.numel(), CHUNK_ELEMENTS)]).max()
+
+
 def owner_of(layout: dict | None, size: torch.Size, index: int) -> int | None:
     if not layout or layout["kind"] == "replicated":
         return None
@@ -205,6 +213,8 @@ def _nonfinite_segments(tensors: list[torch.Tensor]) -> list[int]:
     if not tensors:
         return []
     seg = Segments([t.shape for t in tensors])
+    if seg.per_tensor:  # a big model: one pass of `all_finite` per tensor, no model-sized float64 copy
+        return [s for s, t in enumerate(tensors) if not all_finite(t)]
     finite = torch.isfinite(seg.flat(tensors))
     if bool(finite.all()):
         return []
@@ -1252,8 +1262,7 @@ def compare_with_reference(rec: dict, ref_rec: dict, u_param: float, split: bool
             raise ValueError(f"step {step}: the cell's trajectory row has {sum(p.numel() for p in cell_row)} values, "
                              f"the reference's {sum(p.numel() for p in ref_row)}")
         # a tensor at a time ([Note: The judge by pieces]); a NaN propagates, as one max over the row
-        row_max = torch.stack([(a.double() - b.double()).abs().max() for a, b in zip(cell_row, ref_row)
-                               if a.numel()]).max()
+        row_max = torch.stack([max_abs_difference(a, b) for a, b in zip(cell_row, ref_row) if a.numel()]).max()
         del cell_row, ref_row
     try:
         if ref_rec["step"] != step:

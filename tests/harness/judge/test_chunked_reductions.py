@@ -1,0 +1,47 @@
+"""Reductions the judge takes over a big model a tensor or a chunk at a time give what they give
+over the whole: which tensors hold a non-finite value (per tensor from PER_TENSOR_FROM elements
+on, batched below), and the rows' largest difference (max |a - b| by chunks of CHUNK_ELEMENTS),
+NaN and infinities included."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness.judge import diff, segments
+
+
+def _tensors(plant: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    out = [torch.randn(shape, generator=g) for shape in [(7, 5), (0,), (300,), (2, 3, 4), (1,)]]
+    if plant == "nan":
+        out[2][17] = math.nan
+    elif plant == "inf":
+        out[3][1, 2, 3] = -math.inf
+        out[4][0] = math.inf
+    return out
+
+
+@pytest.mark.parametrize("plant", ["none", "nan", "inf"])
+def test_nonfinite_tensors_found_per_tensor_as_batched(monkeypatch, plant):
+    tensors = _tensors(plant)
+    batched = diff._nonfinite_segments(tensors)
+    monkeypatch.setattr(segments, "PER_TENSOR_FROM", 0)
+    assert diff._nonfinite_segments(tensors) == batched
+    assert batched == {"none": [], "nan": [2], "inf": [3, 4]}[plant]
+
+
+@pytest.mark.parametrize("plant", ["none", "nan", "inf"])
+def test_largest_difference_by_chunks_is_the_whole(monkeypatch, plant):
+    a, b = torch.randn(1000, dtype=torch.float32), torch.randn(1000, dtype=torch.float32)
+    if plant == "nan":
+        b[999] = math.nan  # in the last chunk
+    elif plant == "inf":
+        a[3] = math.inf
+    whole = (a.double() - b.double()).abs().max()
+    monkeypatch.setattr(diff, "CHUNK_ELEMENTS", 64)
+    got = diff.max_abs_difference(a, b)
+    assert got.dtype == torch.float64 and got.dim() == 0
+    assert (math.isnan(whole) and math.isnan(got)) or got.item() == whole.item()
