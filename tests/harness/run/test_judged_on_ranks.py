@@ -60,13 +60,15 @@ def test_every_verdict_margin_and_violation_is_the_parents(both):
     assert hood["rows"]["grad"][at] == first.actual and hood["rows"]["replay grad"][at] == first.expected
 
 
-def test_a_reference_whose_team_shares_its_perturbed_runs_is_judged_as_the_parent_judges_it(tmp_path_factory):
+@pytest.mark.parametrize("case", ["mlp", "transformer", "tied_embeddings", "grad_accumulation", "batchnorm"])
+def test_a_reference_whose_team_shares_its_perturbed_runs_is_judged_as_the_parent_judges_it(tmp_path_factory, case):
     """The smallest world size 2: the reference cell runs in a team of two, whose rank 1 steps the
     perturbed runs beside rank 0, around the reference parameters rank 0 sends it each step
     (harness/run/worker.py ReferenceFeed); the envelope, hence every trajectory margin, is the
-    parent's bit for bit."""
+    parent's bit for bit: with reordered replays that deviate (transformer), float64 sums of
+    several terms (tied uses, micro-batches) and buffers a forward updates (batchnorm)."""
     tmp = tmp_path_factory.mktemp("judged_shared_envelope")
-    args = dict(cases=("mlp",), world_sizes=(2,), steps=3, fault_copies=("grad_scale_1e-6",))
+    args = dict(cases=(case,), world_sizes=(2,), steps=3, fault_copies=("grad_scale_1e-6",))
     (_, parent, _), (_, ranks, _) = _run(tmp, "parent", **args), _run(tmp, "ranks", **args)
     _assert_same_results(parent, ranks)
     assert all(o.checks["trajectory"]["elements"] > 0 for r in ranks.values() if not r.cell.is_reference
