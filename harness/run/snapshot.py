@@ -361,7 +361,11 @@ def load_init(path: Path, run_id: str) -> tuple[dict[str, torch.Tensor], dict[st
 
 def digest(t: torch.Tensor) -> int:
     """A 52-bit digest of a tensor's bytes (exact in float64): equal digests, equal bits."""
-    # A copy in row-major strides: contiguous() keeps a one-element tensor's odd stride, which
-    # view(torch.uint8) refuses.
-    raw = t.detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8).numpy().tobytes()
+    # The bytes in row-major order, read in place where the tensor is laid out so (the hash reads a
+    # buffer: no copy of a model-sized tensor); else a copy in row-major strides (contiguous() keeps
+    # a one-element tensor's odd stride, which view(torch.uint8) refuses).
+    flat = t.detach().cpu().reshape(-1)
+    if flat.numel() and flat.stride() != (1,):
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    raw = flat.view(torch.uint8).numpy() if flat.numel() else b""
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 52) - 1)

@@ -87,3 +87,18 @@ def test_digest_is_of_the_values_whatever_the_strides():
     assert digest(column) == digest(torch.tensor([[3.0], [37.0]])) != digest(torch.tensor([[37.0], [3.0]]))
     assert digest(rows.t()) == digest(rows.t().contiguous()) != digest(rows)
     assert digest(torch.ones(3, dtype=torch.bfloat16)) != digest(torch.ones(3))
+
+
+@pytest.mark.parametrize("make", [lambda: torch.arange(12.0).view(3, 4), lambda: torch.arange(12.0).view(3, 4).t(),
+                                  lambda: torch.arange(12.0).view(3, 4)[:, 1], lambda: torch.tensor(2.5),
+                                  lambda: torch.zeros(0, 3), lambda: torch.randn(5).to(torch.bfloat16),
+                                  lambda: torch.arange(6, dtype=torch.int64), lambda: torch.randn(4).requires_grad_()])
+def test_digest_is_blake2b_of_the_row_major_bytes(make):
+    """The definition, whatever layout the tensor has: read in place or copied first."""
+    import hashlib
+
+    from harness.run.snapshot import digest
+
+    t = make()
+    raw = t.detach().reshape(-1).contiguous().clone().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    assert digest(t) == int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 52) - 1)
