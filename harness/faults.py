@@ -75,7 +75,7 @@ CATALOG: tuple[Fault, ...] = (
           needs='replicated shards (HSDP or NO_SHARD)',
           cases=('no_shard', 'hybrid_shard')),
     Fault('grad_nan_one_element', 'impl',
-          "the last rank's first gradient element becomes NaN at its second reduction"),
+          "the last rank's first gradient element outside padding becomes NaN at its second reduction"),
     Fault('buffers_zeroed_at_wrap', 'impl',
           "fully_shard zeroes the buffers of the modules it wraps (BatchNorm's running variance becomes 0), as "
           "a wrap that re-created the module's storage and copied back its parameters only",

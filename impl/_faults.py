@@ -220,9 +220,20 @@ class _GradNanOneElement(_LastRank):
     def averaged(self, sharded_grad, handle, comm):
         if self.on_last_rank(comm):
             self.reductions[id(handle)] = count = self.reductions.get(id(handle), 0) + 1
-            if count == 2 and sharded_grad.numel():
-                sharded_grad[0] = float("nan")
+            at = _first_outside(handle.layout.local_padding_intervals(comm.groups.shard_rank), sharded_grad.numel())
+            if count == 2 and at is not None:  # not in padding, which the reduction zeroes next
+                sharded_grad[at] = float("nan")
         return sharded_grad
+
+
+def _first_outside(intervals, numel: int) -> int | None:
+    """The first index of [0, numel) in none of the [start, end) `intervals`, or None."""
+    at = 0
+    for start, end in sorted(intervals):
+        if start > at:
+            break
+        at = max(at, end)
+    return at if at < numel else None
 
 
 class _BuffersZeroedAtWrap(_Planted):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from impl._faults import FAULTS, SEAMS, Seams, seams_for
@@ -55,3 +56,14 @@ def test_several_faults_in_one_unit_each_act():
     both.averaged(g, None, None)
     assert torch.equal(g, torch.full((3,), 1 + 1e-5))
     assert tuple(SEAMS) == FAULTS  # the names impl/ plants are its seams (what each plants: harness/faults.py)
+
+
+@pytest.mark.parametrize("intervals, numel, first", [
+    ((), 5, 0), (((0, 3),), 5, 3), (((3, 5), (0, 3)), 5, None), (((1, 2),), 4, 0),
+    (((0, 2), (1, 4)), 6, 4), (((0, 2), (2, 3), (4, 6)), 6, 3), ((), 0, None)])
+def test_grad_nan_goes_to_the_first_element_outside_padding(intervals, numel, first):
+    """grad_nan_one_element plants its NaN where the reduction's zeroing of the padding cannot clear
+    it (uneven_tiny's last rank holds alignment padding first); a shard all padding is left alone."""
+    from impl._faults import _first_outside
+
+    assert _first_outside(intervals, numel) == first

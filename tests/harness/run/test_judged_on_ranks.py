@@ -158,9 +158,8 @@ def test_the_shard_checks_judged_on_each_rank_are_the_parents(tmp_path_factory):
     ([Note: Shards judged where they live] in harness/judge/shards.py): a shard's non-finite
     element, a parameter's non-zero padding and a gathered parameter that contradicts its shards
     (the state-dict gather a slot late) are named as the parent names them from the snapshot's
-    rows, with the same element, value, rank and count, at W = 2 and 4. (uneven_tiny's last rank
-    holds alignment padding at the element the NaN is planted in, which the gradient's zeroing
-    clears: there the fault does not reach the numbers, and both ways pass it.)"""
+    rows, with the same element, value, rank and count, at W = 2 and 4 (uneven_tiny's last rank
+    holds alignment padding first: the NaN goes to its first element outside it)."""
     tmp = tmp_path_factory.mktemp("judged_shards")
     args = dict(cases=("mlp", "uneven_tiny"), world_sizes=(2, 4), steps=2,
                 fault_copies=("grad_nan_one_element", "padding_garbage_at_init", "state_gather_rank_order"))
@@ -170,5 +169,6 @@ def test_the_shard_checks_judged_on_each_rank_are_the_parents(tmp_path_factory):
     named = {(r.cell.faults, v.check, v.gathered, v.name.endswith("(grad)"))
              for r in ranks.values() for o in r.optimizers.values() for v in o.violations}
     assert (("grad_nan_one_element",), "nonfinite", False, True) in named  # in a gradient shard
+    assert all(str(r.verdict) == "fail" for r in ranks.values() if r.cell.faults == ("grad_nan_one_element",))
     assert any(f == ("padding_garbage_at_init",) and c == "padding" for f, c, _, _ in named)
     assert any(f == ("state_gather_rank_order",) and c == "replicas" and g for f, c, g, _ in named)
