@@ -244,6 +244,14 @@ def report_files(report: Report) -> dict[str, str]:
     }
 
 
+def uncaught_faults(report: Report) -> list[str]:
+    """One line per cell that ran with a planted fault (`--faults`) and passed: the fault left every
+    check within its bounds (it did not reach the numbers on this case, or the checks missed it),
+    which a pass must not hide from whoever planted it."""
+    return [f"{r.cell.cell_id}: planted fault(s) {', '.join(r.cell.faults)} left every check within its bounds"
+            for r in report.cells if r.cell.faults and r.verdict == Verdict.PASS]
+
+
 def console_summary(report: Report, stream=sys.stdout) -> None:
     for r in report.cells:
         if r.verdict == Verdict.FAIL:
@@ -255,6 +263,8 @@ def console_summary(report: Report, stream=sys.stdout) -> None:
             print(f"REFERENCE {r.verdict.upper()} {r.cell.cell_id}: {r.error or r.first_divergence.describe(r.cell.cell_id)}", file=stream)
     for case, impl, reason in sorted({(c.case, c.impl, reason) for c, reason in report.skipped}):
         print(f"SKIP {case} ({impl}): {reason}", file=stream)
+    for line in uncaught_faults(report):
+        print(f"NOT CAUGHT {line}", file=stream)
     counts = {v.value: sum(r.verdict == v for r in report.cells) for v in Verdict}
     print(f"verdict: {report.verdict} ({counts['pass']} pass, {counts['fail']} fail, {counts['error']} error, "
           f"{len(report.cells)} cells, {report.wall_s:.0f}s)", file=stream)

@@ -6,7 +6,7 @@ import pandas as pd
 
 from harness.judge.checks import JUDGED
 from harness.judge.result import Verdict
-from harness.report.build import Report, bias_note, fmt_value, cell_row, error_model_rows, first_check
+from harness.report.build import Report, bias_note, fmt_value, cell_row, error_model_rows, first_check, uncaught_faults
 from harness.report.environment import ranks_label
 from harness.report.view import case_views, cell_label, margin_text, skipped_groups, verdict_counts
 from harness.reference.tolerance import TRAJECTORY_FACTOR
@@ -75,6 +75,11 @@ def render_markdown(report: Report) -> str:
     if notes:
         out.append("Checks not applied:\n")
         out.extend(f"- {cell_id}: {note}" for cell_id, note in notes)
+        out.append("")
+    uncaught = uncaught_faults(report)
+    if uncaught:
+        out.append("Planted faults not caught:\n")
+        out.extend(f"- {line}" for line in uncaught)
         out.append("")
     failing = [r for r in report.cells if r.verdict == Verdict.FAIL]
     out.append("## First divergences\n")

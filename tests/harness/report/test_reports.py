@@ -319,3 +319,31 @@ def test_the_example_workflow_pins_actions_by_commit_publishes_junit_and_grants_
     assert publish["with"]["files"] == f"{out}/junit.xml"
     assert publish["with"]["comment_mode"] == "off"  # a PR comment would need pull-requests: write
     assert publish["if"] == "${{ !cancelled() }}"  # published when the gate fails, too
+
+
+def test_a_planted_fault_that_passes_is_said_on_the_console_and_in_the_report(tmp_path):
+    """A cell run with a planted fault (`--faults`) that passes left the fault uncaught: said as
+    NOT CAUGHT before the verdict line and under the verdicts of report.md; a caught one is not."""
+    from harness.report.build import console_summary
+    from harness.report.markdown import render_markdown
+
+    plan = build_plan(cases=("mlp",), impls=("ours",), world_sizes=(2,), data_modes=("identical", "split"),
+                      steps=STEPS, out_dir=tmp_path / "out", fault_copies=("grad_scale_1e-5",))
+    faulty = [c for c in plan.cells if c.faults]
+    assert len(faulty) == 2
+    escaped, caught = faulty
+    violation = Violation("sgd", 1, "grad", "w", 56.0, 5.6e-8, 1e-9, 1.0, 1.0, index=3, coords=(0, 3), rank=1)
+    results = [CellResult(c, "pass", {"sgd": _optimizer("sgd", [0.1] * STEPS)}) for c in plan.cells if not c.faults]
+    results += [CellResult(escaped, "pass", {"sgd": _optimizer("sgd", [0.1] * STEPS)}),
+                CellResult(caught, "fail", {"sgd": _optimizer("sgd", [56.0, 0.1, 0.1], [violation])})]
+    report = build_report(results, [CellResult(plan.references[0], "pass", {"sgd": _optimizer("sgd", [0.0] * STEPS)})],
+                          [], RunOutcome(plan, wall_s=1.0), "python -m harness run (test)")
+    out = io.StringIO()
+    console_summary(report, out)
+    lines = out.getvalue().splitlines()
+    said = [line for line in lines if line.startswith("NOT CAUGHT")]
+    assert said == [f"NOT CAUGHT {escaped.cell_id}: planted fault(s) grad_scale_1e-5 left every check within its bounds"]
+    assert lines.index(said[0]) < len(lines) - 1 and lines[-1].startswith("verdict: fail")
+    text = render_markdown(report)
+    assert "Planted faults not caught:" in text and f"- {escaped.cell_id}: planted fault(s)" in text
+    assert caught.cell_id not in text.split("Planted faults not caught:")[1].split("## First divergences")[0]
