@@ -220,9 +220,10 @@ class _GradNanOneElement(_LastRank):
     def averaged(self, sharded_grad, handle, comm):
         if self.on_last_rank(comm):
             self.reductions[id(handle)] = count = self.reductions.get(id(handle), 0) + 1
-            at = _first_outside(handle.layout.local_padding_intervals(comm.groups.shard_rank), sharded_grad.numel())
-            if count == 2 and at is not None:  # not in padding, which the reduction zeroes next
-                sharded_grad[at] = float("nan")
+            if count == 2:  # not in padding, which the reduction zeroes next
+                at = _first_outside(handle.layout.local_padding_intervals(comm.groups.shard_rank), sharded_grad.numel())
+                if at is not None:
+                    sharded_grad[at] = float("nan")
         return sharded_grad
 
 

@@ -261,10 +261,8 @@ def accumulate_in_chunks(total: torch.Tensor, term: torch.Tensor, absolute: bool
         raise ValueError(f"accumulate_in_chunks: {flat_term.numel()} elements into {flat_total.numel()}")
     for start in range(0, flat_total.numel(), CHUNK_ELEMENTS):
         end = min(flat_total.numel(), start + CHUNK_ELEMENTS)
-        part = flat_term[start:end]
-        if absolute:  # a copy where no conversion made one: the term itself is left as it is
-            part = part.to(total.dtype).abs_() if part.dtype != total.dtype else part.abs()
-        flat_total[start:end].add_(part.to(total.dtype))
+        part = flat_term[start:end].to(total.dtype, copy=absolute)  # a copy to take |.| of: the term stays
+        flat_total[start:end].add_(part.abs_() if absolute else part)
     return total
 
 
