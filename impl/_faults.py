@@ -49,9 +49,10 @@ class Seams:
         return configured
 
     # -- sharding at init (impl/_handle.py) -------------------------------------------------------
-    def shard_bounds(self, bounds: tuple, padded):
-        """((start, end), padded buffer) this rank's shard is cut from."""
-        return bounds, padded
+    def shard_bounds(self, cut: tuple):
+        """((start, end), padded buffer) this rank's shard is cut from: one value, as every hook
+        takes and returns, so that several faults fold through it (`_Chain`)."""
+        return cut
 
     def init_padding_value(self, value: float) -> float:
         """What the padded tail of a shard holds after sharding at init and when re-zeroed."""
@@ -134,10 +135,10 @@ def _answering(hook: str, value) -> Callable[[], Seams]:
 
 
 class _ShardOffsetOffByOne(_Planted):
-    def shard_bounds(self, bounds: tuple, padded):
+    def shard_bounds(self, cut: tuple):
         import torch
 
-        (start, end) = bounds
+        (start, end), padded = cut
         return (start + 1, end + 1), torch.cat([padded, padded.new_zeros(1)])
 
 

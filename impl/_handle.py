@@ -336,7 +336,7 @@ class FlatParamHandle:
         """This rank's shard of a padded unsharded buffer whose padding is zero: a fresh tensor,
         or (fresh=False, for a caller that copies it at once) a view when nothing alters it."""
         seams = self.comm.seams
-        (start, end), padded = seams.shard_bounds(self.layout.shard_bounds(self.comm.groups.shard_rank), padded)
+        (start, end), padded = seams.shard_bounds((self.layout.shard_bounds(self.comm.groups.shard_rank), padded))
         if not fresh and not seams.planted:
             return padded[start:end]
         local = padded[start:end].clone()
