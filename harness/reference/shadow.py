@@ -28,7 +28,8 @@ from cases.features import DTYPES
 from harness.adapters.features import CastCompute
 from harness.adapters.local_step import forward_backward
 from harness.reference.tolerance import (REORDER_FACTOR, ReductionModel, accumulate_in_chunks, clip_coefficient,
-                                         elementwise_in_chunks, round_up_to_float32, underflow_error, unit_roundoff)
+                                         elementwise_in_chunks, promoted_sum_in_chunks, round_up_to_float32,
+                                         underflow_error, unit_roundoff)
 
 
 # [Note: Reordered accumulation]
@@ -188,7 +189,8 @@ def replay_model(case: Case, init_state: dict[str, torch.Tensor], init_buffers: 
 def _added(total: torch.Tensor, term: torch.Tensor, absolute: bool = False) -> torch.Tensor:
     """`total` + `term` (+ |`term`| with `absolute`) in float64 (a float32 total, one term so far,
     promoted exactly first), in place on a float64 total, a chunk at a time (`accumulate_in_chunks`)."""
-    total = total if total.dtype == torch.float64 else total.double()
+    if total.dtype != torch.float64:
+        return promoted_sum_in_chunks(total, term, absolute)
     return accumulate_in_chunks(total, term, absolute)
 
 

@@ -50,7 +50,7 @@ from harness.judge.layouts import LayoutError, check_step_layouts, parameter_nam
 from harness.judge.segments import all_finite
 from harness.run.evidence import EvidenceError, check_init_evidence, check_step_evidence
 from harness.run.plan import Cell
-from harness.run.snapshot import JUDGED_FORMAT
+from harness.run.snapshot import JUDGED_FORMAT, row_major_bytes
 
 
 # [Note: Judged on the evidence's device]
@@ -188,7 +188,7 @@ class RankJudge:
             self._before = rec["params"]
             self.steps.append(step)
             for part in trajectory_row_parts(rec, order, split):  # the row's bytes, a tensor at a time
-                self._digest.update(part.cpu().numpy().tobytes())
+                self._digest.update(row_major_bytes(part))
                 self.finite = self.finite and all_finite(part)
             if ref is not None:  # NaN propagates, as in the parent's matrices
                 self.vs_reference = torch.maximum(self.vs_reference, ref.row_max.to(self.vs_reference.device))

@@ -336,9 +336,9 @@ def state_digest(state: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor
     h = hashlib.blake2b(digest_size=16)
     for part in (state, buffers):
         for name in sorted(part):
-            t = part[name].detach().cpu().reshape(-1).clone(memory_format=torch.contiguous_format)
-            h.update(f"{name}:{t.dtype}:{tuple(part[name].shape)};".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes())
+            t = part[name]
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(row_major_bytes(t))
     return h.hexdigest()
 
 
@@ -359,13 +359,16 @@ def load_init(path: Path, run_id: str) -> tuple[dict[str, torch.Tensor], dict[st
     return parts[0], parts[1]
 
 
-def digest(t: torch.Tensor) -> int:
-    """A 52-bit digest of a tensor's bytes (exact in float64): equal digests, equal bits."""
-    # The bytes in row-major order, read in place where the tensor is laid out so (the hash reads a
-    # buffer: no copy of a model-sized tensor); else a copy in row-major strides (contiguous() keeps
-    # a one-element tensor's odd stride, which view(torch.uint8) refuses).
+def row_major_bytes(t: torch.Tensor):
+    """A tensor's bytes in row-major order, as a buffer a hash reads: in place where the tensor is
+    laid out so (no copy of a model-sized tensor); else a copy in row-major strides (contiguous()
+    keeps a one-element tensor's odd stride, which view(torch.uint8) refuses)."""
     flat = t.detach().cpu().reshape(-1)
     if flat.numel() and flat.stride() != (1,):
         flat = flat.clone(memory_format=torch.contiguous_format)
-    raw = flat.view(torch.uint8).numpy() if flat.numel() else b""
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 52) - 1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else b""
+
+
+def digest(t: torch.Tensor) -> int:
+    """A 52-bit digest of a tensor's bytes (exact in float64): equal digests, equal bits."""
+    return int.from_bytes(hashlib.blake2b(row_major_bytes(t), digest_size=8).digest(), "little") & ((1 << 52) - 1)

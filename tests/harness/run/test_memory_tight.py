@@ -55,3 +55,13 @@ def test_a_small_model_keeps_freed_memory_in_the_heap(monkeypatch, plan):
 def test_a_user_s_own_setting_wins(monkeypatch, plan):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert _spec_env(monkeypatch, plan, 23 << 30, 124_000_000)["MALLOC_MMAP_THRESHOLD_"] == "65536"
+
+
+def test_ranks_back_model_sized_tensors_with_huge_pages_unless_the_user_says(monkeypatch, plan):
+    """[Note: Huge pages for model-sized tensors]: in every launch, whatever the memory, and a
+    user's own setting wins."""
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    for parameters in (124_000_000, 16_800_000):
+        assert _spec_env(monkeypatch, plan, 23 << 30, parameters)["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert _spec_env(monkeypatch, plan, 23 << 30, 124_000_000)["THP_MEM_ALLOC_ENABLE"] == "0"

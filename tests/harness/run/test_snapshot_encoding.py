@@ -102,3 +102,25 @@ def test_digest_is_blake2b_of_the_row_major_bytes(make):
     t = make()
     raw = t.detach().reshape(-1).contiguous().clone().view(torch.uint8).numpy().tobytes() if t.numel() else b""
     assert digest(t) == int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") & ((1 << 52) - 1)
+
+
+def test_state_digest_is_blake2b_of_names_and_row_major_bytes():
+    """The initial state's digest by its definition: per tensor in name order, its name, dtype and
+    shape, then its bytes in row-major order, whatever the layout (read in place or copied)."""
+    import hashlib
+
+    from harness.run.snapshot import state_digest
+
+    grid = torch.arange(12.0).view(3, 4)
+    state = {"b.t": grid.t(), "a.col": grid[:, 1], "c.scalar": torch.tensor(2.5), "d.empty": torch.zeros(0, 3),
+             "e.bf16": torch.randn(5).to(torch.bfloat16), "f.int": torch.arange(6, dtype=torch.int64)}
+    buffers = {"g.buf": torch.ones(2, 2)[:, :1]}
+    h = hashlib.blake2b(digest_size=16)
+    for part in (state, buffers):
+        for name in sorted(part):
+            t = part[name]
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).contiguous().clone().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    assert state_digest(state, buffers) == h.hexdigest()
+    assert state_digest(state, {"g.buf": torch.ones(2, 1)}) == h.hexdigest()  # the same values, laid out anew
+    assert state_digest(state, {"g.buf": torch.full((2, 1), 2.0)}) != h.hexdigest()
