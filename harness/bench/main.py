@@ -129,7 +129,11 @@ def _measure(cfg: BenchConfig, work: Path, progress) -> dict:
 
 
 # `harness run` in this process (the parent), then its own peak RSS, the largest of its descendants'
-# (RUSAGE_CHILDREN: torchrun and the ranks, each waited for), and its exit code.
+# (RUSAGE_CHILDREN: torchrun and the ranks, each waited for), and its exit code. Its own is the
+# high-water mark of its address space (VmHWM), not RUSAGE_SELF: Linux carries a process's maxrss
+# across execve, so that figure would count the bench's own memory at the fork (once 1.0 GB, where
+# the run's parent held 0.43). A descendant's carries the harness's at its fork the same way, below
+# any rank's own.
 _PEAK_RSS_OF_RUN = ("import resource, runpy, sys\n"
                     "sys.argv = ['harness', *sys.argv[1:]]\n"
                     "try:\n"
@@ -137,8 +141,12 @@ _PEAK_RSS_OF_RUN = ("import resource, runpy, sys\n"
                     "    rc = 0\n"
                     "except SystemExit as e:\n"
                     "    rc = e.code if isinstance(e.code, int) else 1\n"
-                    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "
-                    "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, rc)\n")
+                    "try:\n"
+                    "    with open('/proc/self/status') as f:\n"
+                    "        own = next(int(l.split()[1]) for l in f if l.startswith('VmHWM:')) * 1024\n"
+                    "except (OSError, StopIteration):\n"
+                    "    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+                    "print(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, rc)\n")
 
 
 def _dir_bytes(path: Path) -> int:
@@ -169,9 +177,9 @@ def verify_cost(cfg: BenchConfig, work: Path, case: str, w: int, progress) -> di
     parent_rss, rss, rc = (int(x) for x in proc.stdout.strip().splitlines()[-1].split())
     if rc != 0:
         raise BenchError(f"harness run --cases {case} exited {rc}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    from cases.catalog import get_case
+    from harness.run.plan import num_parameters
 
-    params = sum(p.numel() for p in get_case(case).build_model().parameters())
+    params = num_parameters(case)  # on the meta device: this process's memory is the next run's at its fork
     training_wall = train["plain"]["wall_s"] + train["ours"]["wall_s"]
     return {"case": case, "parameters": params, "world_size": w, "training_wall_s": training_wall,
             "harness_wall_s": wall, "ratio": wall / training_wall, "output_bytes": _dir_bytes(out_dir),

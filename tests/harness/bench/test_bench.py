@@ -131,3 +131,22 @@ def test_verify_cost_is_a_part_only_when_named_and_renders_its_ratio_disk_and_rs
     row = next(line for line in text.splitlines() if line.startswith("| d256"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells == ["d256", "5.3M", "2", "22 s", "64 s", "2.9x", "3", "512", "1024", "256"], text
+
+
+def test_the_run_s_own_peak_rss_is_its_own_not_the_launching_process_s():
+    """Linux carries a process's maxrss across execve: a `harness run` started from a process that
+    held 700 MB reported them as its own peak (RUSAGE_SELF). The figure is the run's address
+    space's high-water mark."""
+    import subprocess
+    import sys
+
+    from harness.bench.main import _PEAK_RSS_OF_RUN
+
+    held = bytearray(700 << 20)
+    for i in range(0, len(held), 4096):
+        held[i] = 1
+    out = subprocess.run([sys.executable, "-c", _PEAK_RSS_OF_RUN, "--help"], capture_output=True, text=True,
+                         timeout=120).stdout.strip().splitlines()[-1]
+    own, _, rc = (int(x) for x in out.split())
+    del held
+    assert rc == 0 and 0 < own < 300 << 20
