@@ -346,7 +346,14 @@ def _describe(cfg: TransformerConfig) -> str:
 
 
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """This process's own peak RSS: its address space's high-water mark (VmHWM). RUSAGE_SELF's
+    maxrss also counts, on Linux, the process it was forked from up to its execve (here torchrun's
+    agent), which is not the rank's memory; it serves where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def run_collectives(args, rank: int, world_size: int) -> dict:
