@@ -304,7 +304,8 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 40), "MALLOC_TRIM_THRESHOLD_": 
 # the conversion. PyTorch's CPU allocator aligns every block of 2 MiB or more to 2 MiB and advises
 # the kernel to back it with transparent huge pages when THP_MEM_ALLOC_ENABLE is set: 512 times
 # fewer faults, the same promotion in 0.12 s where freed blocks are returned and 0.05 s where they
-# are kept (`python -m harness bench --only verify-cost`: docs/measured.md). Where the kernel
+# are kept, and a 124M-parameter GPT-2's `harness run` at W = 2 in 251 s instead of 301 (the same
+# tree, one run after the other; docs/error_model.md, "Where the time goes"). Where the kernel
 # offers no transparent huge pages, or an older PyTorch does not read the variable, nothing
 # changes; the arithmetic, and so every bit of evidence, is the same either way.
 HUGE_PAGES_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
