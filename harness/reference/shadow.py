@@ -17,7 +17,7 @@ envelope), with noise of the amplitude `noise_amplitude` measures.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -41,7 +41,9 @@ from harness.reference.tolerance import (REORDER_FACTOR, ReductionModel, accumul
 # rest of the backward to the parameter gradients, where it can dwarf a parameter gradient that is
 # itself a small result of cancellation. No closed form bounds that propagation for an arbitrary
 # model, so the replay measures it: it runs the same local backward again (REORDER_DRAWS times on
-# the graph of one forward) with every contribution into a tensor of k >= 2 consumers multiplied
+# the graph of the forward the exact terms came from, kept for them: no second forward, and the
+# same bits, tests/harness/reference/test_reordered_replays.py) with every contribution into a
+# tensor of k >= 2 consumers multiplied
 # by 1 + (k - 1) u r, r ~ U(-1, 1) per element, and the deviation of the resulting gradients from
 # the clean replay is this model's sensitivity to a reordering (docs/error_model.md, "Reordered
 # accumulation"). A tensor with one consumer has nothing to reorder and is left alone.
@@ -305,7 +307,7 @@ class Shadow:
         draws: list[dict[str, torch.Tensor]] = [{} for _ in range(REORDER_DRAWS if reorder else 0)]
         # Each rank's forward starts from the buffers as they were before the step (a rank updates
         # its own running statistics); rank 0's are what the model holds afterwards.
-        before = {n: b.detach().clone() for n, b in self.buffers.items()} if len(ranks) > 1 or draws else {}
+        before = {n: b.detach().clone() for n, b in self.buffers.items()} if len(ranks) > 1 else {}
         after_rank0: dict[str, torch.Tensor] = {}
         try:
             for rank in ranks:
@@ -317,21 +319,22 @@ class Shadow:
                         leaf.grad = None
                 partial: dict[str, torch.Tensor] = {}
                 partial_abs: dict[str, torch.Tensor] | None = {} if absolute else None
-                losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
-                                               after_micro=harvest_into(partial, partial_abs)))
+                exact = harvest_into(partial, partial_abs)
+                partials: list[dict[str, torch.Tensor]] = [{} for _ in draws]
+                if draws:  # the reordered replays backward through the same forward
+                    losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
+                                                   backward=self._reordered(exact, partials, harvest_into, rank)))
+                else:
+                    losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
+                                                   after_micro=exact))
                 fold_partial(grad_sum, partial)
                 if partial_abs is not None:
                     fold_partial(abs_sum, partial_abs)
-                del partial, partial_abs
+                for d, p in zip(draws, partials):
+                    fold_partial(d, p)
+                del partial, partial_abs, partials
                 if rank == 0 and before:
                     after_rank0 = {n: b.detach().clone() for n, b in self.buffers.items()}
-                if draws:
-                    self._set_buffers(before)  # the reordered replays' forward is the same forward
-                    partials: list[dict[str, torch.Tensor]] = [{} for _ in draws]
-                    self._reordered(inputs, targets, num_micro, partials, harvest_into, rank)
-                    for d, p in zip(draws, partials):
-                        fold_partial(d, p)
-                    del partials
         finally:
             self._retie()
         if after_rank0:
@@ -354,13 +357,19 @@ class Shadow:
                 t.div_(world_size)
         return torch.stack(losses), grad_sum, _kept_up(abs_sum), deviation
 
-    def _reordered(self, inputs, targets, num_micro: int, draws: list[dict], harvest_into, rank: int) -> None:
-        """Add to each of `draws` this rank's local gradient terms under perturbed accumulation
-        ([Note: Reordered accumulation]): one forward per micro-batch, one backward per draw."""
+    def _reordered(self, exact: Callable[[int], None], draws: list[dict], harvest_into,
+                   rank: int) -> Callable[[torch.Tensor, int], None]:
+        """The backward of one rank's micro-batch that harvests its exact terms (`exact`), then
+        adds to each of `draws` its terms under perturbed accumulation ([Note: Reordered
+        accumulation]): one forward per micro-batch, its graph kept for one backward per draw
+        after the exact one. The forward is the one the exact terms came from, so the draws
+        perturb the same values a second forward would compute, without computing them again."""
         u = unit_roundoff(self.case.features.compute_dtype)
         state: dict = {}
 
-        def jittered(loss: torch.Tensor, i: int) -> None:
+        def backward(loss: torch.Tensor, i: int) -> None:
+            loss.backward(retain_graph=True)
+            exact(i)
             handles = _jitter_hooks(loss, u, state)
             try:
                 for d, sums in enumerate(draws):
@@ -372,8 +381,7 @@ class Shadow:
                 state.clear()
                 for h in handles:
                     h.remove()
-
-        forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro, backward=jittered)
+        return backward
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
