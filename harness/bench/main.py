@@ -129,24 +129,18 @@ def _measure(cfg: BenchConfig, work: Path, progress) -> dict:
 
 
 # `harness run` in this process (the parent), then its own peak RSS, the largest of its descendants'
-# (RUSAGE_CHILDREN: torchrun and the ranks, each waited for), and its exit code. Its own is the
-# high-water mark of its address space (VmHWM), not RUSAGE_SELF: Linux carries a process's maxrss
-# across execve, so that figure would count the bench's own memory at the fork (once 1.0 GB, where
-# the run's parent held 0.43). A descendant's carries the harness's at its fork the same way, below
-# any rank's own.
+# (RUSAGE_CHILDREN: torchrun and the ranks, each waited for), and its exit code. Its own is its
+# own (harness/bench/rss.py: not the bench's memory at the fork); a descendant's maxrss carries the
+# harness's at its fork, below any rank's own.
 _PEAK_RSS_OF_RUN = ("import resource, runpy, sys\n"
+                    "from harness.bench.rss import own_peak_rss_bytes\n"
                     "sys.argv = ['harness', *sys.argv[1:]]\n"
                     "try:\n"
                     "    runpy.run_module('harness', run_name='__main__')\n"
                     "    rc = 0\n"
                     "except SystemExit as e:\n"
                     "    rc = e.code if isinstance(e.code, int) else 1\n"
-                    "try:\n"
-                    "    with open('/proc/self/status') as f:\n"
-                    "        own = next(int(l.split()[1]) for l in f if l.startswith('VmHWM:')) * 1024\n"
-                    "except (OSError, StopIteration):\n"
-                    "    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
-                    "print(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, rc)\n")
+                    "print(own_peak_rss_bytes(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, rc)\n")
 
 
 def _dir_bytes(path: Path) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import impl
 from cases.models import TransformerConfig, TransformerLM, lm_loss
 from harness.bench import live_memory
 from harness.bench.live_memory import LiveMemory
+from harness.bench.rss import own_peak_rss_bytes
 from harness.run.rank import rank_epilogue, rank_prologue
 from harness.run.snapshot import write_atomic_text
 
@@ -257,7 +257,7 @@ def run_memory(args, rank: int, world_size: int) -> dict:
     ranks: its timeline, with parameters, gradients and optimizer state divided by that W, is the
     ideal a ZeRO-3 is measured against.
     """
-    rss_before = _peak_rss_bytes()
+    rss_before = own_peak_rss_bytes()
     cfg = CONFIGS[args.config]
     data_world_size = args.as_world_size if args.impl == "plain" else world_size
     if args.global_batch % data_world_size:
@@ -315,7 +315,7 @@ def run_memory(args, rank: int, world_size: int) -> dict:
         "sharded_param_bytes": sharded_param_bytes,
         "peak": _breakdown_json(peak),
         "largest_at_peak": mem.largest_at(peak.event, grad_numels),
-        "peak_rss_growth_bytes": _peak_rss_bytes() - rss_before,
+        "peak_rss_growth_bytes": own_peak_rss_bytes() - rss_before,
     }
     if args.impl == "ours":
         out["largest_unit_bytes"] = max(h.layout.padded_numel * 4 for _, u in impl.units(model) for h in u.handles)
@@ -343,17 +343,6 @@ def _clone(model: torch.nn.Module) -> torch.nn.Module:
 
 def _describe(cfg: TransformerConfig) -> str:
     return f"(layers={cfg.n_layer}, d={cfg.n_embd}, heads={cfg.n_head}, vocab={cfg.vocab_size})"
-
-
-def _peak_rss_bytes() -> int:
-    """This process's own peak RSS: its address space's high-water mark (VmHWM). RUSAGE_SELF's
-    maxrss also counts, on Linux, the process it was forked from up to its execve (here torchrun's
-    agent), which is not the rank's memory; it serves where there is no /proc."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def run_collectives(args, rank: int, world_size: int) -> dict:
@@ -402,7 +391,7 @@ def run_train(args, rank: int, world_size: int) -> dict:
         batch = case.make_batch(case.seed, step, case.global_batch)
         inputs, targets = local_batch(batch, args.data, rank, world_size)
         train_step(adapter, wrapped, optim, case.loss_fn, inputs, targets, features.grad_accum, features)
-    return {"train_s": time.perf_counter() - start, "peak_rss_bytes": _peak_rss_bytes()}
+    return {"train_s": time.perf_counter() - start, "peak_rss_bytes": own_peak_rss_bytes()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -153,7 +153,7 @@ def test_the_run_s_own_peak_rss_is_its_own_not_the_launching_process_s():
 
 
 def test_a_rank_s_peak_rss_is_its_own_not_the_agent_s():
-    """The bench's ranks report their own peak (harness/bench/worker.py `_peak_rss_bytes`), not the
+    """The bench's ranks report their own peak (harness/bench/rss.py `own_peak_rss_bytes`), not the
     memory of the process they were forked from before their execve (torchrun's agent)."""
     import subprocess
     import sys
@@ -161,14 +161,14 @@ def test_a_rank_s_peak_rss_is_its_own_not_the_agent_s():
     held = bytearray(900 << 20)
     for i in range(0, len(held), 4096):
         held[i] = 1
-    code = ("from harness.bench.worker import _peak_rss_bytes\n"
-            "before = _peak_rss_bytes()\n"
+    code = ("from harness.bench.rss import own_peak_rss_bytes\n"
+            "before = own_peak_rss_bytes()\n"
             "grown = bytearray(200 << 20)\n"
             "for i in range(0, len(grown), 4096):\n"
             "    grown[i] = 1\n"
-            "print(before, _peak_rss_bytes())\n")
+            "print(before, own_peak_rss_bytes())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     del held
     before, after = (int(x) for x in out.stdout.split())
-    assert before < 800 << 20  # the imports (torch), not the 900 MB held by the launching process
+    assert before < 800 << 20  # the interpreter, not the 900 MB held by the launching process
     assert after - before >= 190 << 20  # and it follows the rank's own growth
