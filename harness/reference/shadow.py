@@ -321,12 +321,11 @@ class Shadow:
                 partial_abs: dict[str, torch.Tensor] | None = {} if absolute else None
                 exact = harvest_into(partial, partial_abs)
                 partials: list[dict[str, torch.Tensor]] = [{} for _ in draws]
-                if draws:  # the reordered replays backward through the same forward
-                    losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
-                                                   backward=self._reordered(exact, partials, harvest_into, rank)))
-                else:
-                    losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
-                                                   after_micro=exact))
+                # with draws, the reordered replays backward through the same forward, after the exact terms
+                losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
+                                               after_micro=None if draws else exact,
+                                               backward=self._reordered(exact, partials, harvest_into, rank)
+                                               if draws else None))
                 fold_partial(grad_sum, partial)
                 if partial_abs is not None:
                     fold_partial(abs_sum, partial_abs)
