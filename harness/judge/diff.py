@@ -800,11 +800,21 @@ class CellJudge:
         seg = self.same_shapes("init", 0, init_names, init_params, expected_init)
         self.stats["nonfinite"].add(seg.total)
         outcomes: list[TensorOutcome] = []
-        for piece in self.pieces(init["params"]):  # [Note: The judge by pieces]
-            part = self.segments({n: init["params"][n] for n in piece})
-            outcomes += judge_segments(part, part.flat([init["params"][n] for n in piece]),
-                                       part.flat([self.init_state[n] for n in piece]),
-                                       torch.zeros(part.total, dtype=torch.float64))
+        sliced: list[tuple[int, TensorOutcome]] = []  # a sliced parameter's outcomes so far
+        view = self.view
+        for piece in self.param_pieces(init["params"]):  # [Note: The judge by pieces]
+            part = self.segments({k: view(init["params"], k) for k in piece})
+            got = judge_segments(part, part.flat([view(init["params"], k) for k in piece]),
+                                 part.flat([view(self.init_state, k) for k in piece]),
+                                 torch.zeros(part.total, dtype=torch.float64))
+            s = self.slices.get(piece[0])
+            if s is None:
+                outcomes += got
+                continue
+            sliced.append((s[1], got[0]))
+            if s[2] == s[3]:  # the parameter's last slice: its outcome, as the whole tensor's
+                outcomes.append(merge_outcomes(sliced))
+                sliced = []
         init_viol = self.fold("init", 0, init_names, seg.sizes, outcomes, layouts)
         nonfinite = ([None] * len(init_names) if self.all_finite(init["params"])
                      else self.nonfinite(0, init_names, init_params, layouts))
