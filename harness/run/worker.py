@@ -444,11 +444,13 @@ def _detached(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor], world: RankContext,
              scratch_dir: Path, init_buffers: dict[str, torch.Tensor] | None = None,
              judge_here: bool = False, run_id: str = "", init_digest: str | None = None,
-             team_size: int = 1) -> dict | None:
+             team_size: int = 1, hand_over: bool = False) -> dict | None:
     """Train one (cell, optimizer) and return rank 0's snapshot (None on the other ranks), or with
     `judge_here` its judged record ([Note: Judged where the evidence lives] in harness/run/judged.py).
     A reference cell judged here steps the perturbed runs of its seeds (`perturbed_seeds`, its
-    team of `team_size` ranks shares them); the other ranks' envelopes are merged in by the caller."""
+    team of `team_size` ranks shares them); the other ranks' envelopes are merged in by the caller.
+    With `hand_over` (judged here) the caller gives up `init_state`: it is emptied once every
+    consumer holds its own copy ([Note: The initial state handed over])."""
     case = get_case(cell.case)
     features = case.features
     adapter: Adapter = dist_faults.planted(resolve_impl(cell.impl), cell.faults)  # collective faults, if any
@@ -508,6 +510,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         else:
             reference = LockStepReference(cell, spec, init_state, init_buffers, ctx.device).step
         judge = RankJudge(cell, spec, case, header, plain, init_state, init_buffers, reference, perturbed, ctx.device)
+    if hand_over and judge is None:
+        init_state.clear()  # built into the model, the replay and the reference: no one reads it again
     init_params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
     # Buffers are whole on every rank: rank 0's recorded, every rank's digested ([Note: Buffers]).
     init_bufs = _pick(adapter.full_buffers(wrapped), buffer_names, "full_buffers", ctx, cell)
@@ -595,6 +599,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                         judge.start({"params": _detached(init_params),
                                      "buffers": Buffers(_detached(init_bufs), init_buffer_digests).to_dict()})
                         init_params = None  # judged: only a snapshot needs them again
+                        if hand_over:
+                            init_state.clear()
                 if record:
                     rec = StepRecord(
                         taken, ev.losses, record["grads"], record["params"], Buffers(record["buffers"], buffer_digests),
@@ -679,19 +685,22 @@ class ReferenceFeed:
 
 def perturbed_envelopes(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
                         init_buffers: dict[str, torch.Tensor], device: torch.device,
-                        seeds: list[int]) -> list[dict[str, torch.Tensor]]:
+                        seeds: list[int], hand_over: bool = False) -> list[dict[str, torch.Tensor]]:
     """Per step, the envelope of the perturbed runs of `seeds` around the reference (impl=single,
     W = 1, trained by the team's rank 0, whose parameters after each step arrive here through its
     ReferenceFeed), as a reference cell's rank 0 computes it for its own seeds; the max of the two
-    is the envelope of all."""
+    is the envelope of all. With `hand_over`, `init_state` is emptied after step 1 (`run_cell`)."""
     case = get_case(cell.case)
     names = [n for n, _ in case.build_shapes().named_parameters()]
+    like = {n: torch.empty(init_state[n].shape, dtype=init_state[n].dtype, device="meta") for n in names}
     runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers, device, borrow=True,
                          world_sizes=cell.serves)
     envelopes, before = [], init_state
     for step in range(1, cell.steps + 1):
         runs_params = record_on(runs.step(step, before), device)  # the case's code: out of on_device
-        params = ReferenceFeed.receive({n: init_state[n] for n in names}, device)
+        if hand_over:
+            init_state.clear()  # the runs hold their own copies; the reference's parameters come next
+        params = ReferenceFeed.receive(like, device)
         with on_device(device):
             envelope = trajectory_envelope(params, runs_params)
         envelopes.append({n: e.cpu() for n, e in envelope.items()})  # sent as bytes
@@ -922,6 +931,24 @@ def _load_init(path: Path, run_id: str) -> tuple[dict[str, torch.Tensor], dict[s
     return {n: t.clone() for n, t in state.items()}, {n: t.clone() for n, t in buffers.items()}
 
 
+# [Note: The initial state handed over]
+# A cell judged on its ranks builds the case's initial state (`build_init`) and gives it to each
+# optimizer's run, which copies it into what it trains (the implementation's model, the replay,
+# the lock-step reference, the perturbed runs) and judges the implementation's initial parameters
+# against it at step 1. Nothing reads it after that, but a reference held through the steps is a
+# model's worth of memory at every rank's peak (GPT-2 d384: 92 MiB of rank 0's 1.3 GB heap peak,
+# memray). So the run is handed the state and empties the dict once every consumer holds its own
+# copy (after the judge's start on the judging rank, before the first step elsewhere); a case with
+# several optimizers hands each run but the last a copy (`_handed`). Emptying a dict frees
+# nothing anyone else still holds: a consumer that kept the tensors themselves keeps them.
+
+
+def _handed(init_state: dict[str, torch.Tensor], k: int, runs: int) -> dict[str, torch.Tensor]:
+    """The initial state for run `k` of `runs` that each empty theirs ([Note: The initial state
+    handed over]): the last gets `init_state` itself, the others a copy."""
+    return init_state if k == runs - 1 else {n: t.clone() for n, t in init_state.items()}
+
+
 def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: RankContext, cells_store: dist.Store,
                  init_dir: Path, snapshot_dir: Path, run_id: str, judge_here: bool = False) -> None:
     """Cell `i` of the launch in this rank's team: its started record, every optimizer's run and
@@ -947,14 +974,16 @@ def _run_claimed(i: int, cell: Cell, num_cells: int, ctx: RankContext, world: Ra
     perturbed_store = dist.PrefixStore(f"harness/perturbed/{cell.cell_id}", _launch_store()) if shares else None
     num_runs = perturbed_runs_of(case.build_shapes()) if shares else 0
     if shares and not runs_here and perturbed_seeds(ctx.rank, ctx.world_size, num_runs):
-        for spec in case.optimizers:
-            envelopes = perturbed_envelopes(cell, spec, init_state, init_buffers, ctx.device,
-                                            perturbed_seeds(ctx.rank, ctx.world_size, num_runs))
+        for k, spec in enumerate(case.optimizers):
+            envelopes = perturbed_envelopes(cell, spec, _handed(init_state, k, len(case.optimizers)), init_buffers,
+                                            ctx.device, perturbed_seeds(ctx.rank, ctx.world_size, num_runs),
+                                            hand_over=True)
             perturbed_store.set(f"{spec.kind}/{ctx.rank}", encode(envelopes))
             release_freed_memory()
-    for spec in case.optimizers if runs_here else ():
-        snapshot = run_cell(cell, spec, init_state, ctx, snapshot_dir / "scratch", init_buffers, judge_here, run_id,
-                            init_digest, ctx.world_size if shares else 1)
+    for k, spec in enumerate(case.optimizers if runs_here else ()):
+        state = _handed(init_state, k, len(case.optimizers)) if judge_here else init_state
+        snapshot = run_cell(cell, spec, state, ctx, snapshot_dir / "scratch", init_buffers, judge_here, run_id,
+                            init_digest, ctx.world_size if shares else 1, hand_over=judge_here)
         if snapshot is not None and shares and snapshot["envelopes"] is not None and snapshot["error"] is None:
             for rank in range(1, ctx.world_size):
                 if perturbed_seeds(rank, ctx.world_size, num_runs):
