@@ -557,9 +557,11 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                                             buffers_before=buffers_before, reorder=judge is None,
                                             clip_norm=clip_norm, borrow=borrow),
                       "layouts": adapter.layouts(wrapped)}
+            release_freed_memory()
         if helper is not None:
             to_compare[step] = ({"step": step, "grads": _detached(grads), "params": _detached(params)},
                                 record_on(helper.step(step), ctx.device))
+            release_freed_memory()
         if ledger is not None:
             ledger.taken = replace(ledger.taken, optimizer_state_elements=adapter.local_optimizer_state_elements(optim))
         reader = None
@@ -754,6 +756,7 @@ class PerturbedRuns:
         case = self.case
         batch = case.make_batch(case.seed, step, case.global_batch)
         amplitude = self.measure.noise_amplitude(reference_before, batch)
+        release_freed_memory()
         # A random sign at the full amplitude (not a uniform draw below it): with the antithetic
         # run's opposite sign, some run is pushed at least as far as an honest cell in either
         # direction, so at step 1 the envelope holds element by element for any optimizer whose
