@@ -235,6 +235,45 @@ def _allowance(reordered: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for n, d in reordered.items()}
 
 
+# [Note: The replay's optimizer by runs of parameters]
+# The replay steps the plain optimizer with its float64 means rounded to float32 gradients: a
+# model's worth of copies beside the means, alive through the step (64 MiB of rank 0's heap peak
+# for GPT-2 d384, memray). The case's optimizers (torch.optim.SGD and AdamW, built with
+# foreach=False: cases/case.py) step each parameter on its own, from its own gradient and state
+# (the single-tensor loop; the state's step count is per parameter, and a parameter without a
+# gradient is skipped untouched). So the replay sets the gradients of a run of parameters of at
+# most OPTIMIZER_RUN_ELEMENTS elements (a bigger tensor alone), steps, drops them, and goes on:
+# every parameter is stepped once, by the same code on the same values, the same bits as one step
+# over all (tests/harness/reference/test_optimizer_runs.py), with one run's copies alive at a time.
+# A case that clips needs every gradient at once (the norm is over all of them), and an optimizer
+# that is not one of those two, or steps its tensors together (foreach), is stepped whole.
+OPTIMIZER_RUN_ELEMENTS = 1 << 20
+
+
+def _per_parameter(optim: torch.optim.Optimizer) -> bool:
+    """Whether `optim` steps each parameter on its own ([Note: The replay's optimizer by runs of
+    parameters]): torch's SGD or AdamW, every group without foreach or fused kernels."""
+    return (type(optim) in (torch.optim.SGD, torch.optim.AdamW)
+            and all(g.get("foreach") is False and not g.get("fused") for g in optim.param_groups))
+
+
+def _runs_of(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The names of `params` with a gradient in `grads`, in runs of at most OPTIMIZER_RUN_ELEMENTS
+    elements (a bigger tensor a run of its own)."""
+    runs: list[list[str]] = []
+    size = 0
+    for name in params:
+        if name not in grads:
+            continue
+        n = params[name].numel()
+        if not runs or size + n > OPTIMIZER_RUN_ELEMENTS:
+            runs.append([])
+            size = 0
+        runs[-1].append(name)
+        size += n
+    return runs
+
+
 class Shadow:
     """The plain model and optimizer, stepped each step from the cell's own previous parameters."""
 
@@ -474,7 +513,21 @@ class Shadow:
     def _optimizer_step(self, grads: dict[str, torch.Tensor], clip_norm: float | None) -> dict[str, dict]:
         """Step the plain optimizer (and scheduler) with `grads` rounded to the parameter dtype,
         clipped as the case clips (with the cell's norm, when given and finite); returns the
-        hyperparameters the step used."""
+        hyperparameters the step used. Without clipping, a run of parameters at a time
+        ([Note: The replay's optimizer by runs of parameters])."""
+        if self.clip is None and _per_parameter(self.optim):
+            hyper = self.hyperparameters()
+            for p in self.params.values():
+                p.grad = None  # a run's step reads no other gradient (the backward passes may have left some)
+            for run in _runs_of(self.params, grads):
+                for name in run:
+                    self.params[name].grad = grads[name].to(self.params[name].dtype, copy=True)
+                self.optim.step()
+                for name in run:
+                    self.params[name].grad = None
+            if self.scheduler is not None:
+                self.scheduler.step()
+            return hyper
         for name, p in self.params.items():
             # a copy: clipping scales it in place, and a float32 mean is the record's own tensor
             p.grad = grads[name].to(p.dtype, copy=True) if name in grads else None
