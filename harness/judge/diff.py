@@ -792,14 +792,8 @@ class CellJudge:
         return out
 
     def start(self, init: dict) -> None:
-        """Step 0: the initial parameters and buffers right after wrapping (a snapshot's "init").
-        The initial state is read here only: let go after it, judged or not."""
-        try:
-            self._start(init)
-        finally:
-            self.init_state = None
-
-    def _start(self, init: dict) -> None:
+        """Step 0: the initial parameters and buffers right after wrapping (a snapshot's "init");
+        the only reader of the initial state."""
         kind, layouts, viol = self.kind, self.layouts, self.viol
         init_names = list(init["params"])
         init_params = list(init["params"].values())

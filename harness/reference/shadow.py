@@ -515,33 +515,24 @@ class Shadow:
         clipped as the case clips (with the cell's norm, when given and finite); returns the
         hyperparameters the step used. Without clipping, a run of parameters at a time
         ([Note: The replay's optimizer by runs of parameters])."""
-        if self.clip is None and _per_parameter(self.optim):
-            hyper = self.hyperparameters()
-            for p in self.params.values():
-                p.grad = None  # a run's step reads no other gradient (the backward passes may have left some)
-            for run in _runs_of(self.params, grads):
-                for name in run:
-                    self.params[name].grad = grads[name].to(self.params[name].dtype, copy=True)
-                self.optim.step()
-                for name in run:
-                    self.params[name].grad = None
-            if self.scheduler is not None:
-                self.scheduler.step()
-            return hyper
-        for name, p in self.params.items():
-            # a copy: clipping scales it in place, and a float32 mean is the record's own tensor
-            p.grad = grads[name].to(p.dtype, copy=True) if name in grads else None
-        if self.clip is not None and clip_norm is not None and math.isfinite(clip_norm):
-            grads_now = [p.grad for p in self.params.values() if p.grad is not None]
-            if grads_now:
-                coef = clip_coefficient(clip_norm, self.clip[0], grads_now[0].dtype)
-                torch._foreach_mul_(grads_now, coef.to(grads_now[0].device))
-        elif self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.params.values()), *self.clip)
         hyper = self.hyperparameters()  # this step's, before the scheduler moves the learning rate
-        self.optim.step()
         for p in self.params.values():
-            p.grad = None  # stepped: a model-sized copy less until the next step
+            p.grad = None  # a step reads no other gradient (the backward passes may have left some)
+        by_runs = self.clip is None and _per_parameter(self.optim)
+        for run in _runs_of(self.params, grads) if by_runs else [[n for n in self.params if n in grads]]:
+            for name in run:
+                # a copy: clipping scales it in place, and a float32 mean is the record's own tensor
+                self.params[name].grad = grads[name].to(self.params[name].dtype, copy=True)
+            if self.clip is not None and clip_norm is not None and math.isfinite(clip_norm):
+                grads_now = [self.params[name].grad for name in run]
+                if grads_now:
+                    coef = clip_coefficient(clip_norm, self.clip[0], grads_now[0].dtype)
+                    torch._foreach_mul_(grads_now, coef.to(grads_now[0].device))
+            elif self.clip is not None:
+                torch.nn.utils.clip_grad_norm_(list(self.params.values()), *self.clip)
+            self.optim.step()
+            for name in run:
+                self.params[name].grad = None  # stepped: the copies go before the next run's are made
         if self.scheduler is not None:
             self.scheduler.step()
         return hyper

@@ -160,7 +160,7 @@ class RankJudge:
             self.judge.start(init)
             self._before = init["params"]
         self._guard(run)
-        self.judge.init_state = None  # read by the start only, which may not have run
+        self.judge.init_state = None  # read by the start only (which may have raised): let go
 
     def take(self, rec: dict) -> None:
         """One step's record: checked, judged, its trajectory figures kept; then it may go."""

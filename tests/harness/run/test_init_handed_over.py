@@ -11,6 +11,7 @@ import gc
 import weakref
 
 import pytest
+import torch
 
 from cases.catalog import get_case
 from harness.adapters import RankContext
@@ -60,7 +61,7 @@ def test_the_initial_state_is_let_go_and_the_judgement_kept(tmp_path, monkeypatc
 
 
 def test_each_run_but_the_last_is_handed_a_copy():
-    state = {"w": __import__("torch").ones(3)}
+    state = {"w": torch.ones(3)}
     first, last = worker._handed(state, 0, 2), worker._handed(state, 1, 2)
     assert last is state and first is not state and first["w"] is not state["w"]
     assert bool((first["w"] == state["w"]).all())
