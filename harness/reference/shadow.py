@@ -274,6 +274,32 @@ def _runs_of(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) ->
     return runs
 
 
+# [Note: The finest split served]
+# The noise's reduction part is sized from the absolute values of a split's terms (docs/error_model.md,
+# "Trajectories"). Every sample its own term bounds every split of the batch: a term of any split is
+# a sum of per-sample gradients, so sum |term| over a split's terms is at most sum |g_b| (the
+# triangle inequality), and a fold of W x M <= B terms makes fewer roundings than one of B. The same
+# argument holds for any split whose terms every served cell's terms are unions of: the split of
+# the largest world size served, W_max ranks of M micro-batches, when every served world size
+# divides W_max (a rank's rows are contiguous, so a W-rank cell's micro-batch is a union of W_max / W
+# of its blocks, and so is an identical-data micro-batch). Its pass is one backward per term where
+# the per-sample pass is one per sample: for a GPT-2 of 124M parameters at W = 2, 2 backward passes
+# of 4 sequences instead of 8 of one, about 40 s of the reference cell's 150 on this VM. Where the
+# served sizes do not nest (2 and 3), or W_max x M is the batch itself, the per-sample split is the
+# finest, as before.
+
+
+def finest_split(num_samples: int, world_sizes: Sequence[int], num_micro: int) -> tuple[int, int]:
+    """(world size, micro-batches) of the finest split a reference serving `world_sizes` must bound
+    ([Note: The finest split served]): (W_max, M) where every served size divides W_max and the
+    batch splits into W_max x M terms of more than one sample, else (B, 1), every sample its own term."""
+    largest = max(world_sizes)
+    terms = largest * num_micro
+    if terms < num_samples and num_samples % terms == 0 and all(largest % w == 0 for w in world_sizes):
+        return largest, num_micro
+    return num_samples, 1
+
+
 class Shadow:
     """The plain model and optimizer, stepped each step from the cell's own previous parameters."""
 
@@ -580,8 +606,9 @@ class Shadow:
     def noise_amplitude(self, params_before: dict[str, torch.Tensor], batch: Batch) -> dict[str, torch.Tensor]:
         """Per gradient (float64), the amplitude of a perturbed reference run's noise at this step,
         measured at `params_before` (the reference's parameters before the step): the size of the
-        largest honest reduction error of any split of this batch (every sample its own term,
-        K = B, bounds every W x M split) and of identical data at the largest W served (K = W x M),
+        largest honest reduction error of every split of this batch a served cell computes (the
+        finest split served bounds them all: [Note: The finest split served]) and of identical data
+        at the largest W served (K = W x M),
         plus the measured difference between the whole-batch
         gradient and the mean of the per-sample ones and of every split a cell computes (the local
         computation on another batch size), plus the reordering allowance (docs/error_model.md,
@@ -602,7 +629,7 @@ class Shadow:
         """(bound of the per-sample reduction + the largest local-shape difference) + the reordering
         allowance, per gradient. Consumes `grads` and `reordered`; every intermediate is folded
         into one tensor per gradient as soon as it is measured (the split means into one float64
-        maximum; the per-sample sum |term| / K kept as the replay keeps it, float32 rounded up, and
+        maximum; the finest split's sum |term| / W kept as the replay keeps it, float32 rounded up, and
         turned into its bound at the end), so the passes hold about three and a half model-sized
         float64 dicts at a time, not six."""
         num_samples = batch_size(batch)
@@ -612,33 +639,37 @@ class Shadow:
         # The reference computes its local forward/backward on another batch size than a cell's
         # ranks, so beyond the reduction their gradients differ by the compute dtype's rounding.
         u = max(precision.u, unit_roundoff(features.compute_dtype))
-        # Every sample its own term (K = B) bounds every split of the batch (W x M <= B). Identical
-        # data is no split: each of a cell's W x M terms is a gradient of the whole batch (or of a
-        # micro-batch of it), whose mean |term| is at most the per-sample mean |g_b|, and the honest
-        # fold of W x M of them makes W x M - 1 roundings, more than K = B allows once W x M > B
-        # (a W = 256 cell of a batch of 8).
+        # The finest split served (at the finest, every sample its own term) bounds every served
+        # split of the batch ([Note: The finest split served]). Identical data is no split: each of
+        # a cell's W x M terms is a gradient of the whole batch (or of a micro-batch of it), whose
+        # mean |term| is at most the finest split's mean |term|, and the honest fold of W x M of
+        # them makes W x M - 1 roundings, more than K = B allows once W x M > B (a W = 256 cell of
+        # a batch of 8).
         if not self.world_sizes:
             raise ValueError("Shadow: the noise's amplitude needs the world sizes of the cells it covers "
                              "(world_sizes=...); none were given")
         identical_terms = max(self.world_sizes) * self.num_micro if "identical" in self.case.data_modes else 0
-        model = ReductionModel(max(num_samples, identical_terms), u, precision.casts,
+        finest = finest_split(num_samples, self.world_sizes, self.num_micro)
+        model = ReductionModel(max(finest[0] * finest[1], identical_terms), u, precision.casts,
                                max(precision.eta, underflow_error(features.compute_dtype)))
         # Per gradient, what the reduction bound is computed from at the end: sum |term| / K of the
         # per-sample terms (float32, rounded up), or |g| itself; kept instead of the float64 bound.
         bound_of: dict[str, torch.Tensor] = {}
         shape: dict[str, torch.Tensor] = {}  # the largest |whole-batch gradient - a split's mean| so far
         if "split" in self.case.data_modes:
-            _, per_sample_mean, bound_of, _ = self._terms(batch, "split", num_samples, 1, reorder=False)
+            # The finest split's terms ([Note: The finest split served]): their sum |term| / K bounds
+            # every served split's, and their mean is one more local computation to cover.
+            _, finest_mean, bound_of, _ = self._terms(batch, "split", *finest, reorder=False)
             for name, g in grads.items():
                 # A sample's gradient is itself a sum over its rows (a sequence's tokens), which a
                 # batched backward sums in another order than a per-sample one; where those rows
                 # cancel (an attention key bias, whose exact gradient is zero) this difference
                 # dwarfs the reduction bound of the per-sample terms.
-                shape[name] = _abs_difference(g, per_sample_mean.pop(name))
+                shape[name] = _abs_difference(g, finest_mean.pop(name))
             # The local computation on each batch size a cell of this case runs (B / W samples per
             # rank, in M micro-batches) differs from the whole batch's in its own bits: the noise
             # covers each, so a cell's step-1 deviation is never larger than the noise's amplitude.
-            for w in sorted(set(self.world_sizes) - {1}):
+            for w in sorted(set(self.world_sizes) - {1, finest[0]}):
                 if num_samples % (w * self.num_micro) == 0 and w * self.num_micro < num_samples:
                     _, split_mean, _, _ = self._terms(batch, "split", w, self.num_micro, reorder=False, absolute=False)
                     for n, g in grads.items():

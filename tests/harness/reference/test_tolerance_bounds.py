@@ -362,6 +362,50 @@ def test_the_noise_covers_identical_data_folded_over_more_ranks_than_samples(cas
     assert escaping > 0
 
 
+@pytest.mark.parametrize("num_samples, served, num_micro, finest", [
+    (8, (1, 2), 1, (2, 1)), (8, (1, 2, 4), 1, (4, 1)), (8, (1, 2), 2, (2, 2)), (16, (2, 4), 2, (4, 2)),
+    (8, (1, 2, 4, 8), 1, (8, 1)),  # W x M is the batch: every sample its own term
+    (8, (1, 2, 4), 2, (8, 1)),
+    (12, (1, 2, 3), 1, (12, 1)),  # 2 does not divide 3: a 2-rank cell's terms are no unions of the 3-split's
+    (12, (1, 4), 1, (4, 1)), (12, (1, 2, 4), 1, (4, 1)), (12, (6,), 1, (6, 1)), (8, (1,), 1, (1, 1)),
+])
+def test_the_finest_split_served_nests_every_served_split(num_samples, served, num_micro, finest):
+    """[Note: The finest split served]: the split whose terms every served cell's terms are unions of,
+    or every sample its own term."""
+    from harness.reference.shadow import finest_split
+
+    assert finest_split(num_samples, served, num_micro) == finest
+    w, m = finest
+    for size in served:  # each served rank's micro-batch is a union of the finest split's blocks
+        assert num_samples % (w * m) == 0 and (num_samples // (size * num_micro)) % (num_samples // (w * m)) == 0
+
+
+@pytest.mark.parametrize("case_name", ["mlp", "transformer"])
+def test_the_finest_splits_reduction_bound_covers_every_served_splits(case_name):
+    """The noise's reduction part is sized from the finest split served ([Note: The finest split
+    served]): per element it is at least what each served split's own terms (and the per-sample
+    ones' where those are the finest) would size it at. Planted: the coarser W = 2 split taken for a
+    run serving W = 4 falls short of W = 4's own bound."""
+    from harness.reference.shadow import Shadow, finest_split
+
+    case = get_case(case_name)
+    init = {n: t.detach().clone() for n, t in case.build_model().state_dict().items()}
+    batch = case.make_batch(case.seed, 1, case.global_batch)
+    shadow = Shadow(case, case.optimizers[0], init, world_sizes=(1, 2, 4))
+    u = 2.0 ** -24
+
+    def bound(w, m):
+        model = ReductionModel(w * m, u)
+        return {n: model.grad_bound(a) for n, a in shadow._terms(batch, "split", w, m, reorder=False)[2].items()}
+
+    assert finest_split(8, (1, 2, 4), 1) == (4, 1)
+    finest, coarse, per_sample = bound(4, 1), bound(2, 1), bound(8, 1)
+    assert all(bool((finest[n] >= coarse[n]).all()) for n in finest)
+    assert all(bool((per_sample[n] >= finest[n]).all()) for n in finest)
+    # planted: the W = 2 split taken as the finest for a run that serves W = 4
+    assert any(bool((coarse[n] < finest[n]).any()) for n in finest)
+
+
 def test_the_noise_is_not_measured_without_the_world_sizes_it_covers():
     """A shadow told no world sizes refuses to measure the noise (it used to take the case's
     declared sizes, to 1024 in the catalog: a noise about 100x looser than a default run's cells
