@@ -493,7 +493,7 @@ def check_snapshot(snap: dict, init_state: dict[str, torch.Tensor], ref: dict | 
 # over the whole model: such a case is judged in one piece. A model of at most PIECE_ELEMENTS is
 # one piece, the computation as before pieces; more pieces give the same verdict, margins,
 # statistics and first divergence (tests/harness/judge/test_judge_pieces.py). 2^18 elements make a
-# piece's float64 temporaries 2 MiB, below the 4 MiB from which the allocator maps each block on its
+# piece's float64 temporaries 2 MiB, below the 32 MiB from which the allocator maps each block on its
 # own where memory is tight ([Note: Freed memory returned], harness/run/launch.py), so they are
 # reused from the heap, not page-faulted in and zero-filled afresh by each operation.
 PIECE_ELEMENTS = 1 << 18
@@ -1344,8 +1344,8 @@ def trajectory_envelope(ref_params: dict[str, torch.Tensor], perturbed_params: l
         seg = Segments([ref_params[n].shape for n in piece])
         ref_flat = seg.flat([ref_params[n] for n in piece])
         envelope = None
-        for run in perturbed_params:
-            run_max = seg.max((seg.flat([run[n] for n in piece]) - ref_flat).abs())
+        for run in perturbed_params:  # in place on the run's flat copy: one model-sized temporary, not three
+            run_max = seg.max(seg.flat([run[n] for n in piece]).sub_(ref_flat).abs_())
             envelope = run_max if envelope is None else torch.maximum(envelope, run_max)
         out.update(zip(piece, envelope.unbind()))
         del ref_flat

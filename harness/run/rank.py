@@ -83,8 +83,8 @@ def rank_epilogue() -> None:
 def release_freed_memory() -> None:
     """Hand the memory freed so far back to the system (glibc's malloc_trim; nothing elsewhere).
     torch's CPU tensors below glibc's mmap threshold (every one under the launch's MALLOC_ENV;
-    from 4 MiB on where memory is tight: harness/run/launch.py) come from the heap, where a judged step's model-sized temporaries, freed, stay in the
-    process's RSS as free chunks between live ones: 2-3 GB of a GPT-2 of 16.8M parameters judged
+    those below 32 MiB where memory is tight: harness/run/launch.py) come from the heap, where a
+    judged step's model-sized temporaries, freed, stay in the process's RSS as free chunks between live ones: 2-3 GB of a GPT-2 of 16.8M parameters judged
     on its rank (issue 31). That memory goes back between cells, after each judged step, and after
     the passes that free most within a step: the replay's step, the lock-step reference's step and
     the noise's measure (GPT-2 d384 at W = 2: the ranks' peak RSS 1785 / 1714 -> 1739 / 1668 MiB,

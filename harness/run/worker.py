@@ -761,8 +761,8 @@ class PerturbedRuns:
         # run's opposite sign, some run is pushed at least as far as an honest cell in either
         # direction, so at step 1 the envelope holds element by element for any optimizer whose
         # update is monotone in the gradient (AdamW's first step is nearly lr * sign(g)).
-        noise = {pair: {n: (torch.randint(0, 2, a.shape, generator=g, dtype=torch.float64) * 2 - 1) * a
-                        for n, a in amplitude.items()}
+        noise = {pair: {n: torch.randint(0, 2, a.shape, generator=g, dtype=torch.float64).mul_(2).sub_(1).mul_(a)
+                        for n, a in amplitude.items()}  # in place: the same operations, one tensor each
                  for pair, g in sorted(self.generators.items())}
         del amplitude
         self.params = [shadow.perturbed_step(params, batch, noise[(seed + 1) // 2], subtract=seed % 2 == 0,
