@@ -24,6 +24,7 @@ a verdict on the implementation. docs/error_model.md derives every bound.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import reduce
 
@@ -825,14 +826,17 @@ class CellJudge:
         viol.extend(buffers.violations(kind, 0, init["buffers"], self.init_buffers or {}, None, self.stats["buffers"]))
         self._params_before = init["params"]
 
-    def step(self, rec: dict, ref_rec: dict | None = None, comparison: ReferenceComparison | None = None) -> bool:
+    def step(self, rec: dict, ref_rec: dict | None = None,
+             comparison: ReferenceComparison | Callable[[], ReferenceComparison | None] | None = None) -> bool:
         """Judge one step's record (a snapshot's step) against its replay, and take its deviation
         from the reference's step `ref_rec` ({"step", "loss", "grads", "params"}), or its
-        `comparison` with it taken where the reference is (`compare_with_reference`); neither: no
-        trajectory check. False, judging nothing, once the cell went non-finite at an earlier
-        step: the shadow then starts from its non-finite parameters and says nothing more."""
+        `comparison` with it taken where the reference is (`compare_with_reference`; a callable:
+        asked for once the replay's checks are done, so that a rank computing it works meanwhile);
+        neither: no trajectory check. False, judging nothing, once the cell went non-finite at an
+        earlier step: the shadow then starts from its non-finite parameters and says nothing more."""
         if comparison is None and ref_rec is not None:
             comparison = compare_with_reference(rec, ref_rec, self.step_bounds.u_param, self.split)
+        asked_for = comparison if callable(comparison) else None
         kind, viol, stats, step_bounds = self.kind, self.viol, self.stats, self.step_bounds
         step, shadow = rec["step"], rec["shadow"]
         step_layouts = rec.get("layouts", self.layouts)  # a resharding case changes them mid-run
@@ -881,9 +885,9 @@ class CellJudge:
 
         # loss: each rank's local loss is the replay's, bitwise
         losses, expected = rec["loss"], shadow["loss"]
-        self.result.losses.append({"optimizer": kind, "step": step, "loss": losses.double().mean().item(),
-                                   "replay": expected.double().mean().item(),
-                                   "reference": comparison.ref_loss if comparison is not None else None})
+        loss_row = {"optimizer": kind, "step": step, "loss": losses.double().mean().item(),
+                    "replay": expected.double().mean().item(), "reference": None}
+        self.result.losses.append(loss_row)
         if losses.shape != expected.shape:
             raise ValueError(f"step {step}: {losses.numel()} rank losses, the replay has {expected.numel()}")
         loss_diffs = (losses.double() - expected.double()).abs().reshape(-1).tolist()
@@ -1062,7 +1066,10 @@ class CellJudge:
             viol.extend(broken)
 
         # trajectory: the free-running cell vs the free-running reference (judged in `finish`)
+        if asked_for is not None:
+            comparison = asked_for()
         if comparison is not None:
+            loss_row["reference"] = comparison.ref_loss
             self.take_trajectory(step, comparison, step_layouts)
         if self.result.neighbourhood is None and viol:
             self.result.neighbourhood = neighbourhood(first_of(viol), step, rec)

@@ -17,6 +17,7 @@ envelope), with noise of the amplitude `noise_amplitude` measures.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 
 import torch
@@ -274,6 +275,56 @@ def _runs_of(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) ->
     return runs
 
 
+def _harvest_into(uses: dict[str, list[torch.Tensor]], sums: dict[str, torch.Tensor],
+                  absolute: dict[str, torch.Tensor] | None) -> Callable[[int], None]:
+    """A harvest of each micro-batch's terms (the gradients of every use of each parameter) into
+    one rank's partial sums ([Note: Sums by rank]), and their absolute values into `absolute`."""
+    def harvest(_: int) -> None:
+        for name, leaves in uses.items():
+            for leaf in leaves:
+                if leaf.grad is None:
+                    continue
+                g = leaf.grad.detach()
+                if name in sums:
+                    sums[name] = _added(sums[name], g)
+                    if absolute is not None:
+                        absolute[name] = _added(absolute[name], g, absolute=True)
+                else:  # the term itself (its leaf lets it go below): exact, no copy
+                    sums[name] = g if g.dtype != torch.float64 else g.clone()  # added to in place
+                    if absolute is not None:
+                        absolute[name] = g.abs()
+                leaf.grad = None
+    return harvest
+
+
+# [Note: Each rank's term replayed on it]
+# The replay of a W-rank split step computes every rank's local term (harness/run/worker.py runs it
+# on the cell's rank 0, beside the judge): W forward and backward passes on one rank while the
+# others wait for its judge. A rank of the cell holds what its own term needs (the cell's full
+# parameters and buffers before the step, the batch), so a judged cell's rank r >= 1 builds a
+# replay model too, computes its term with the same code (`Shadow.rank_term`: the pass `_terms`
+# makes for rank r, from the same values, in a process of the same settings: the same bits) and
+# sends it; rank 0 folds it in rank order as if it had computed it. Sent: the partial sum of each
+# parameter's terms (one float32 term as it is), and the absolute sum only where it is not the
+# partial's |.| (several micro-batches or uses; |x| is exact). Reordered replays (a judge's
+# `reorder_later`) are still computed on rank 0, from every rank's pass. So that rank 1, which also
+# trains the lock-step reference and compares the cell with it, does not become the rank everyone
+# waits for, it steps that reference after the step's evidence is gathered, while rank 0 judges,
+# and rank 0's judge asks for the comparison only once the replay's checks are done (it is needed
+# by the trajectory check alone: harness/judge/diff.py `CellJudge.step`).
+@dataclass
+class RankTerm:
+    """One rank's local loss and partial sums of a replayed step ([Note: Each rank's term replayed on it])."""
+
+    loss: torch.Tensor
+    sums: dict[str, torch.Tensor]
+    # sum |term| where it is not |sums[name]| (a float64 sum of several terms); else computed from sums
+    abs_of_several: dict[str, torch.Tensor]
+
+    def abs_sums(self) -> dict[str, torch.Tensor]:
+        return {n: self.abs_of_several[n] if n in self.abs_of_several else t.abs() for n, t in self.sums.items()}
+
+
 # [Note: The finest split served]
 # The noise's reduction part is sized from the absolute values of a split's terms (docs/error_model.md,
 # "Trajectories"). Every sample its own term bounds every split of the batch: a term of any split is
@@ -339,35 +390,16 @@ class Shadow:
         self._reorder_seed = 0  # the step's seed of the reordered replays (reproducible verdicts)
 
     def _terms(self, batch: Batch, data_mode: str, world_size: int, num_micro: int, reorder: bool = True,
-               absolute: bool = True):
+               absolute: bool = True, given: Callable[[int], RankTerm | None] | None = None):
         """Every rank's local loss, the float64 sum and absolute sum of the local gradient terms (one
         per rank and micro-batch), and the largest deviation of the reordered replays from that sum
-        ([Note: Reordered accumulation]; empty when `reorder` is off); sums divided by W under split."""
+        ([Note: Reordered accumulation]; empty when `reorder` is off); sums divided by W under split.
+        `given(rank)`, where it returns one, is that rank's term computed on the rank itself
+        ([Note: Each rank's term replayed on it]), folded in its turn instead of computed here."""
         ranks = range(1) if data_mode == "identical" else range(world_size)
         grad_sum: dict[str, torch.Tensor] = {}
         abs_sum: dict[str, torch.Tensor] = {}
         uses = self._untie()
-
-        def harvest_into(sums: dict, absolute: dict | None):
-            """A harvest of each micro-batch's terms into one rank's partial sums ([Note: Sums by
-            rank])."""
-            def harvest(_: int) -> None:
-                for name, leaves in uses.items():
-                    for leaf in leaves:
-                        if leaf.grad is None:
-                            continue
-                        g = leaf.grad.detach()
-                        if name in sums:
-                            sums[name] = _added(sums[name], g)
-                            if absolute is not None:
-                                absolute[name] = _added(absolute[name], g, absolute=True)
-                        else:  # the term itself (its leaf lets it go below): exact, no copy
-                            sums[name] = g if g.dtype != torch.float64 else g.clone()  # added to in place
-                            if absolute is not None:
-                                absolute[name] = g.abs()
-                        leaf.grad = None
-            return harvest
-
         losses = []
         draws: list[dict[str, torch.Tensor]] = [{} for _ in range(REORDER_DRAWS if reorder else 0)]
         # Each rank's forward starts from the buffers as they were before the step (a rank updates
@@ -376,21 +408,19 @@ class Shadow:
         after_rank0: dict[str, torch.Tensor] = {}
         try:
             for rank in ranks:
+                term = None if given is None or draws else given(rank)
+                if term is not None:
+                    losses.append(term.loss)
+                    if absolute:
+                        fold_partial(abs_sum, term.abs_sums())
+                    fold_partial(grad_sum, term.sums)
+                    continue
                 if rank > 0:
                     self._set_buffers(before)
-                inputs, targets = map_tensors(lambda t: t.to(self.device), local_batch(batch, data_mode, rank, world_size))
-                for leaves in uses.values():
-                    for leaf in leaves:
-                        leaf.grad = None
-                partial: dict[str, torch.Tensor] = {}
-                partial_abs: dict[str, torch.Tensor] | None = {} if absolute else None
-                exact = harvest_into(partial, partial_abs)
                 partials: list[dict[str, torch.Tensor]] = [{} for _ in draws]
-                # with draws, the reordered replays backward through the same forward, after the exact terms
-                losses.append(forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
-                                               after_micro=None if draws else exact,
-                                               backward=self._reordered(exact, partials, harvest_into, rank)
-                                               if draws else None))
+                loss, partial, partial_abs = self._rank_pass(uses, batch, data_mode, world_size, rank, num_micro,
+                                                             absolute, partials)
+                losses.append(loss)
                 fold_partial(grad_sum, partial)
                 if partial_abs is not None:
                     fold_partial(abs_sum, partial_abs)
@@ -421,7 +451,44 @@ class Shadow:
                 t.div_(world_size)
         return torch.stack(losses), grad_sum, _kept_up(abs_sum), deviation
 
-    def _reordered(self, exact: Callable[[int], None], draws: list[dict], harvest_into,
+    def _rank_pass(self, uses: dict[str, list[torch.Tensor]], batch: Batch, data_mode: str, world_size: int,
+                   rank: int, num_micro: int, absolute: bool, draws: list[dict[str, torch.Tensor]]
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """One rank's forward and backward on its local batch from the model's parameters and
+        buffers now: its loss, its partial sum and absolute sum of terms ([Note: Sums by rank]),
+        and with `draws` each draw's reordered partial added to it."""
+        inputs, targets = map_tensors(lambda t: t.to(self.device), local_batch(batch, data_mode, rank, world_size))
+        for leaves in uses.values():
+            for leaf in leaves:
+                leaf.grad = None
+        partial: dict[str, torch.Tensor] = {}
+        partial_abs: dict[str, torch.Tensor] | None = {} if absolute else None
+        exact = _harvest_into(uses, partial, partial_abs)
+        # with draws, the reordered replays backward through the same forward, after the exact terms
+        loss = forward_backward(self.model, self.case.loss_fn, inputs, targets, num_micro,
+                                after_micro=None if draws else exact,
+                                backward=self._reordered(uses, exact, draws, rank) if draws else None)
+        return loss, partial, partial_abs
+
+    def rank_term(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
+                  rank: int, buffers_before: dict[str, torch.Tensor] | None = None) -> RankTerm:
+        """Rank `rank`'s term of a `step` with these arguments, computed here as that step computes
+        it (the same pass from the same parameters and buffers: the same bits), for the rank
+        replaying the step ([Note: Each rank's term replayed on it])."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(params_before[name])
+        if buffers_before is not None:
+            self._set_buffers(buffers_before)
+        uses = self._untie()
+        try:
+            loss, partial, partial_abs = self._rank_pass(uses, batch, data_mode, world_size, rank, self.num_micro,
+                                                         True, [])
+        finally:
+            self._retie()
+        return RankTerm(loss.detach(), partial, {n: a for n, a in partial_abs.items() if partial[n].dtype == torch.float64})
+
+    def _reordered(self, uses: dict[str, list[torch.Tensor]], exact: Callable[[int], None], draws: list[dict],
                    rank: int) -> Callable[[torch.Tensor, int], None]:
         """The backward of one rank's micro-batch that harvests its exact terms (`exact`), then
         adds to each of `draws` its terms under perturbed accumulation ([Note: Reordered
@@ -440,7 +507,7 @@ class Shadow:
                     state["generator"] = torch.Generator().manual_seed(
                         (self._reorder_seed * 1_000_003 + rank * 1009 + i * 31 + d) % (2 ** 63))
                     loss.backward(retain_graph=d < len(draws) - 1)
-                    harvest_into(sums, None)(i)
+                    _harvest_into(uses, sums, None)(i)
             finally:
                 state.clear()
                 for h in handles:
@@ -486,7 +553,8 @@ class Shadow:
 
     def step(self, params_before: dict[str, torch.Tensor], batch: Batch, data_mode: str, world_size: int,
              buffers_before: dict[str, torch.Tensor] | None = None, reorder: bool = True,
-             clip_norm: float | None = None, borrow: bool = False) -> dict:
+             clip_norm: float | None = None, borrow: bool = False,
+             given: Callable[[int], RankTerm | None] | None = None) -> dict:
         """One step replayed from the cell's parameters (and buffers, when given; else the shadow's
         own) before it; "buffers" in the result are rank 0's after its forward passes.
 
@@ -498,7 +566,9 @@ class Shadow:
         With `reorder` off the reordered replays are not run: "reorder" is empty and
         "reorder_later" computes it when a judge needs it (`reorder_allowance`). With `clip_norm`
         (the norm the cell's clipping computed, finite) the step clips with the coefficient that
-        norm gives, as the cell did ([Note: Clipping judged with the cell's norm], judge/diff.py)."""
+        norm gives, as the cell did ([Note: Clipping judged with the cell's norm], judge/diff.py).
+        `given(rank)` is rank `rank`'s term where that rank computed it ([Note: Each rank's term
+        replayed on it]); None: computed here."""
         with torch.no_grad():
             for name, p in self.params.items():
                 p.copy_(params_before[name])
@@ -506,7 +576,8 @@ class Shadow:
             self._set_buffers(buffers_before)
         self._reorder_seed += 1
         seed = self._reorder_seed
-        losses, grads, abs_grads, reordered = self._terms(batch, data_mode, world_size, self.num_micro, reorder)
+        losses, grads, abs_grads, reordered = self._terms(batch, data_mode, world_size, self.num_micro, reorder,
+                                                          given=given)
         buffers = {n: b.detach().to(self.record_device).clone() for n, b in self.buffers.items()}
         hyper = self._optimizer_step(grads, clip_norm)
         out = {

@@ -179,10 +179,19 @@ class RankJudge:
                     self.mismatches.append(asdict(m))
             order = self.header["init_order"]
             split = self.cell.data_mode == "split"
-            ref = self.reference(step) if self.reference is not None else None
-            if isinstance(ref, dict):  # the reference's record, trained here: compared here
-                ref = compare_with_reference(rec, record_on(ref, self.device), self.judge.step_bounds.u_param,
-                                             split, order)
+            asked: list = []
+
+            def comparison():
+                """The reference's comparison of this step, asked for once (by the judge after the
+                replay's checks: the rank that computes it works meanwhile, [Note: Each rank's term
+                replayed on it] in harness/reference/shadow.py)."""
+                if not asked:
+                    ref = self.reference(step) if self.reference is not None else None
+                    if isinstance(ref, dict):  # the reference's record, trained here: compared here
+                        ref = compare_with_reference(rec, record_on(ref, self.device), self.judge.step_bounds.u_param,
+                                                     split, order)
+                    asked.append(ref)
+                return asked[0]
             if self.perturbed is not None:  # the cell is the reference: its parameters before the step are
                 runs = record_on(self.perturbed(step, self._before), self.device)  # none: the team's other ranks step them
                 self.envelopes.append(trajectory_envelope(rec["params"], runs) if runs else {})
@@ -191,12 +200,13 @@ class RankJudge:
             for part in trajectory_row_parts(rec, order, split):  # the row's bytes, a tensor at a time
                 self._digest.update(row_major_bytes(part))
                 self.finite = self.finite and all_finite(part)
-            if ref is not None:  # NaN propagates, as in the parent's matrices
-                self.vs_reference = torch.maximum(self.vs_reference, ref.row_max.to(self.vs_reference.device))
             # Once the cell went non-finite the judge stops (the first divergence is named); the
             # reference and the matrices' rows go on, as over a snapshot.
-            if not self.stopped and not self.judge.step(rec, comparison=ref):
+            if not self.stopped and not self.judge.step(rec, comparison=comparison):
                 self.stopped = True
+            ref = comparison()
+            if ref is not None:  # NaN propagates, as in the parent's matrices
+                self.vs_reference = torch.maximum(self.vs_reference, ref.row_max.to(self.vs_reference.device))
         self._guard(run)
 
     def record(self, run_id: str) -> dict:

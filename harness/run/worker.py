@@ -15,6 +15,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 import sys
 import threading
 import time
@@ -45,7 +46,7 @@ from harness.run.nodes import record_rank
 from harness.run.plan import REFERENCE_IMPL, Cell
 from harness.run.rank import (pick_evidence, pick_grads, rank_epilogue, rank_prologue, release_freed_memory,
                               replica_digests, train_step)
-from harness.reference.shadow import Shadow, load_nonpersistent_buffers
+from harness.reference.shadow import RankTerm, Shadow, load_nonpersistent_buffers
 from harness.run.snapshot import (Buffers, Snapshot, StepRecord, build_init, complete_path, decode, digest, encode,
                                   judged_path, load_init, state_digest,
                                   save_judged, save_snapshot, snapshot_path, started_path, write_atomic_text)
@@ -489,7 +490,15 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     # parameter ([Note: Judged where the evidence lives], harness/run/judged.py).
     reference_rank = 1 if judge_here and not cell.is_reference and ctx.world_size > 1 and ctx.group else 0
     references: dict[int, ReferenceComparison] = {}
-    to_compare: dict[int, tuple[dict, dict]] = {}  # on rank 1: step -> (the cell's record, the reference's)
+    received_through = [0]  # on rank 0: the last step whose comparison arrived
+
+    def receive_comparisons() -> None:
+        """One gather's comparisons from the reference's rank (sent once it compared them)."""
+        box = [None]
+        dist.recv_object_list(box, src=reference_rank, group=ctx.group)
+        references.update((c.step, c) for c in box[0])
+        received_through[0] = max(c.step for c in box[0])
+    to_compare: dict[int, dict] = {}  # on rank 1: step -> the cell's record
     helper = (LockStepReference(cell, spec, init_state, init_buffers, ctx.device)
               if reference_rank and ctx.rank == reference_rank else None)
     # A reference cell judged by a team: the ranks stepping its perturbed runs get its parameters
@@ -506,16 +515,28 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
             def perturbed(step, before, runs=runs):
                 return runs.step(step, before) if runs is not None else []
         elif reference_rank:
-            reference = references.pop
+            def reference(step: int) -> ReferenceComparison:
+                """The comparison of `step`, received from the reference's rank when the judge asks."""
+                if step not in references:
+                    receive_comparisons()
+                return references.pop(step)
         else:
             reference = LockStepReference(cell, spec, init_state, init_buffers, ctx.device).step
         judge = RankJudge(cell, spec, case, header, plain, init_state, init_buffers, reference, perturbed, ctx.device)
+    # [Note: Each rank's term replayed on it]: a judged split cell's other ranks replay their own terms
+    terms_on_ranks = (judge_here and not cell.is_reference and cell.data_mode == "split" and ctx.world_size > 1
+                      and ctx.group is not None)
+    term_shadow = (Shadow(case, spec, init_state, ctx.device, init_buffers=init_buffers)
+                   if terms_on_ranks and ctx.rank > 0 else None)
+    term_feed = TermFeed() if term_shadow is not None else None
     if hand_over and judge is None:
         init_state.clear()  # built into the model, the replay and the reference: no one reads it again
     init_params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
     # Buffers are whole on every rank: rank 0's recorded, every rank's digested ([Note: Buffers]).
     init_bufs = _pick(adapter.full_buffers(wrapped), buffer_names, "full_buffers", ctx, cell)
     pending_digests = [digest(init_bufs[n]) for n in buffer_names]  # gathered with step 1's evidence
+    # the digests of the parameters and buffers the step starts from, where ranks replay their own terms
+    before_digests = [digest(t) for t in init_params.values()] + pending_digests if terms_on_ranks else None
     steps, params_before, buffers_before = [], init_params, init_bufs
     init_buffer_digests = None  # (W, buffers): set from step 1's gather
     per_gather = steps_per_gather(sum(p.numel() for p in plain.parameters()))
@@ -546,22 +567,27 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         # Every rank's full parameters and gradients, digested: replicas must agree bitwise; and
         # every rank's buffers (before step 1 too), judged against the replay.
         replicas = replica_digests(params, grads, grad_names)
-        digests = replicas["digests"] + [digest(buffers[n]) for n in buffer_names] + pending_digests
+        buffer_digests = [digest(buffers[n]) for n in buffer_names]
+        digests = replicas["digests"] + buffer_digests + pending_digests
         pending_digests = []
         record = {}
+        if term_feed is not None:  # this rank's term, before the lock-step reference: rank 0 waits for it
+            term_feed.send(term_shadow.rank_term(params_before, batch, cell.data_mode, ctx.world_size, ctx.rank,
+                                                 buffers_before), before_digests)
+            release_freed_memory()
         if shadow is not None:
+            given = ((lambda rank, before=before_digests: TermFeed.receive(rank, before, ctx.device) if rank else None)
+                     if terms_on_ranks else None)
             record = {"grads": grads, "clipped_grads": clipped_grads, "params": params, "buffers": buffers,
                       "replica_names": replicas["names"],
                       # judged here: the reordered replays only where the judge needs them
                       "shadow": shadow.step(params_before, batch, cell.data_mode, ctx.world_size,
                                             buffers_before=buffers_before, reorder=judge is None,
-                                            clip_norm=clip_norm, borrow=borrow),
+                                            clip_norm=clip_norm, borrow=borrow, given=given),
                       "layouts": adapter.layouts(wrapped)}
             release_freed_memory()
-        if helper is not None:
-            to_compare[step] = ({"step": step, "grads": _detached(grads), "params": _detached(params)},
-                                record_on(helper.step(step), ctx.device))
-            release_freed_memory()
+        if helper is not None:  # its reference's step after the gather, while rank 0 judges
+            to_compare[step] = {"step": step, "grads": _detached(grads), "params": _detached(params)}
         if ledger is not None:
             ledger.taken = replace(ledger.taken, optimizer_state_elements=adapter.local_optimizer_state_elements(optim))
         reader = None
@@ -573,22 +599,22 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                         len(replicas["names"]), record))
         grads = clipped_grads = record = None  # held by the pending step's record until it is judged
         params_before, buffers_before = params, buffers
+        if before_digests is not None:
+            before_digests = replicas["digests"][:len(params)] + buffer_digests
         if len(pending) == per_gather or step == cell.steps:
             gathered = gather_evidence([parts for _, parts, _, _ in pending], ctx)
             if helper is not None:
                 comparisons = []
                 for (taken, *_), ev in zip(pending, gathered):
-                    cell_rec, ref_rec = to_compare.pop(taken)
+                    cell_rec = to_compare.pop(taken)
+                    ref_rec = record_on(helper.step(taken), ctx.device)
+                    release_freed_memory()
                     with on_device(ctx.device):
                         comparison = compare_with_reference({**cell_rec, "loss": ev.losses.to(ctx.device)}, ref_rec,
                                                             PARAM_UNIT_ROUNDOFF, cell.data_mode == "split", names)
                     comparisons.append(comparison.to(torch.device("cpu")))  # sent as bytes
                 dist.send_object_list([comparisons], dst=0, group=ctx.group)
                 del comparisons
-            elif judge is not None and reference_rank:
-                box = [None]
-                dist.recv_object_list(box, src=reference_rank, group=ctx.group)
-                references.update((c.step, c) for c in box[0])
             # Each step's record is let go as soon as it is judged: popped, so that nothing of this
             # loop (its replay's float64 sums, the cell's gradients) outlives it into the next step's
             # training, where it would add to the rank's peak (the memory release below returns it).
@@ -616,6 +642,9 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                         judge.take(rec.to_dict())
                         del rec, record
                         release_freed_memory()
+            if judge is not None and reference_rank and received_through[0] < taken:
+                receive_comparisons()  # a judge that did not ask (it stopped, or raised): taken all the same
+            references.clear()  # what the judge did not ask for, it never will
             pending, gathered = [], []
             record = ev = None
         if step in reshard_steps:
@@ -625,6 +654,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                                                         wrap_paths, case.build_model)
     if feed is not None:
         feed.wait()
+    if term_feed is not None:
+        term_feed.wait()
     dist_faults.check_acted(adapter, f"rank {ctx.rank}: cell {cell.cell_id}")
     if reshard_steps:
         adapter.full_state_roundtrip(wrapped, case.build_model, wrap_paths, ctx,
@@ -657,6 +688,56 @@ def perturbed_seeds(rank: int, team_size: int, num_runs: int) -> list[int]:
     helpers = range(1, team_size) if team_size > 1 else range(1)
     return [seed for seed in range(1, num_runs + 1)
             if helpers[((seed + 1) // 2 - 1) % len(helpers)] == rank]
+
+
+# A replayed term's messages (rank r -> the team's rank 0) have a tag of their own: the same pair of
+# ranks exchanges the reference's comparisons (tag 0) in the same steps.
+TERM_TAG = 31
+
+
+class TermFeed:
+    """[Note: Each rank's term replayed on it] (harness/reference/shadow.py): a judged split cell's
+    rank r >= 1 sends the team's rank 0 its replayed term with the digests of the parameters and
+    buffers it computed it from. Rank 0 folds it where those are its own (the same values, so the
+    same bits as computing it there) and computes the term itself where they are not (replicas that
+    disagree, which the replicas check judges). Sent without blocking; a step's tensors stay alive
+    until the next step's are sent."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+
+    def send(self, term: RankTerm, before: list[int]) -> None:
+        self.wait()
+        tensors, fields = [], []
+        for name, t in term.sums.items():
+            several = term.abs_of_several.get(name)
+            fields.append((name, t.dtype, tuple(t.shape), None if several is None else several.dtype))
+            tensors += [t] if several is None else [t, several]
+        header = torch.frombuffer(bytearray(pickle.dumps((before, term.loss, fields))), dtype=torch.uint8)
+        self.pending = [dist.isend(t.detach().contiguous(), dst=0, tag=TERM_TAG)
+                        for t in [torch.tensor([header.numel()]), header, *tensors]]
+
+    def wait(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+
+    @staticmethod
+    def receive(rank: int, before: list[int], device: torch.device) -> RankTerm | None:
+        """Rank `rank`'s term, or None where it was computed from other parameters or buffers than `before`'s."""
+        def received(shape, dtype):
+            t = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(t, src=rank, tag=TERM_TAG)
+            return t
+
+        header = received((int(received((1,), torch.int64)),), torch.uint8)
+        theirs, loss, fields = pickle.loads(header.numpy().tobytes())
+        sums, several = {}, {}
+        for name, dtype, shape, abs_dtype in fields:
+            sums[name] = received(shape, dtype)
+            if abs_dtype is not None:
+                several[name] = received(shape, abs_dtype)
+        return RankTerm(loss.to(device), sums, several) if theirs == before else None
 
 
 class ReferenceFeed:
