@@ -528,7 +528,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                       and ctx.group is not None)
     term_shadow = (Shadow(case, spec, init_state, ctx.device, init_buffers=init_buffers)
                    if terms_on_ranks and ctx.rank > 0 else None)
-    term_feed = TermFeed() if term_shadow is not None else None
+    term_feed = TermFeed(ctx.device) if term_shadow is not None else None
     if hand_over and judge is None:
         init_state.clear()  # built into the model, the replay and the reference: no one reads it again
     init_params = _pick(adapter.full_params(wrapped), names, "full_params", ctx, cell)
@@ -703,8 +703,8 @@ class TermFeed:
     disagree, which the replicas check judges). Sent without blocking; a step's tensors stay alive
     until the next step's are sent."""
 
-    def __init__(self) -> None:
-        self.pending: list = []
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        self.device, self.pending = device, []  # NCCL sends device tensors only: the header goes there too
 
     def send(self, term: RankTerm, before: list[int]) -> None:
         self.wait()
@@ -713,9 +713,9 @@ class TermFeed:
             several = term.abs_of_several.get(name)
             fields.append((name, t.dtype, tuple(t.shape), None if several is None else several.dtype))
             tensors += [t] if several is None else [t, several]
-        header = torch.frombuffer(bytearray(pickle.dumps((before, term.loss, fields))), dtype=torch.uint8)
+        header = torch.frombuffer(bytearray(pickle.dumps((before, term.loss.detach().cpu(), fields))), dtype=torch.uint8)
         self.pending = [dist.isend(t.detach().contiguous(), dst=0, tag=TERM_TAG)
-                        for t in [torch.tensor([header.numel()]), header, *tensors]]
+                        for t in [torch.tensor([header.numel()]).to(self.device), header.to(self.device), *tensors]]
 
     def wait(self) -> None:
         for work in self.pending:
@@ -731,7 +731,7 @@ class TermFeed:
             return t
 
         header = received((int(received((1,), torch.int64)),), torch.uint8)
-        theirs, loss, fields = pickle.loads(header.numpy().tobytes())
+        theirs, loss, fields = pickle.loads(header.cpu().numpy().tobytes())
         sums, several = {}, {}
         for name, dtype, shape, abs_dtype in fields:
             sums[name] = received(shape, dtype)
