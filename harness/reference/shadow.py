@@ -475,11 +475,7 @@ class Shadow:
         """Rank `rank`'s term of a `step` with these arguments, computed here as that step computes
         it (the same pass from the same parameters and buffers: the same bits), for the rank
         replaying the step ([Note: Each rank's term replayed on it])."""
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(params_before[name])
-        if buffers_before is not None:
-            self._set_buffers(buffers_before)
+        self._load(params_before, buffers_before)
         uses = self._untie()
         try:
             loss, partial, partial_abs = self._rank_pass(uses, batch, data_mode, world_size, rank, self.num_micro,
@@ -513,6 +509,15 @@ class Shadow:
                 for h in handles:
                     h.remove()
         return backward
+
+    def _load(self, params_before: dict[str, torch.Tensor],
+              buffers_before: dict[str, torch.Tensor] | None = None) -> None:
+        """The plain model's parameters (and buffers, when given) set to these values, in place."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(params_before[name])
+        if buffers_before is not None:
+            self._set_buffers(buffers_before)
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -569,11 +574,7 @@ class Shadow:
         norm gives, as the cell did ([Note: Clipping judged with the cell's norm], judge/diff.py).
         `given(rank)` is rank `rank`'s term where that rank computed it ([Note: Each rank's term
         replayed on it]); None: computed here."""
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(params_before[name])
-        if buffers_before is not None:
-            self._set_buffers(buffers_before)
+        self._load(params_before, buffers_before)
         self._reorder_seed += 1
         seed = self._reorder_seed
         losses, grads, abs_grads, reordered = self._terms(batch, data_mode, world_size, self.num_micro, reorder,
@@ -641,9 +642,7 @@ class Shadow:
         batch's exact gradient at `params_before` plus `noise` (float64 per gradient: a sign times
         `noise_amplitude`; minus it with `subtract`, the antithetic run), clipped as the case clips
         and stepped; returns the parameters after it."""
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(params_before[name])
+        self._load(params_before)
         _, grads, _, _ = self._terms(batch, "identical", 1, self.num_micro, reorder=False, absolute=False)
         for name, g in grads.items():
             if name in noise:
@@ -656,11 +655,7 @@ class Shadow:
         """The "reorder" of a `step(..., reorder=False)` taken with these arguments: the same
         replays from the same state and seed, so the same bits. It leaves the plain model's
         parameters and buffers at that step's (the next `step` sets them from its own arguments)."""
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(params_before[name])
-        if buffers_before is not None:
-            self._set_buffers(buffers_before)
+        self._load(params_before, buffers_before)
         current, self._reorder_seed = self._reorder_seed, seed
         try:
             return _allowance(self._terms(batch, data_mode, world_size, self.num_micro)[3])
@@ -684,9 +679,7 @@ class Shadow:
         gradient and the mean of the per-sample ones and of every split a cell computes (the local
         computation on another batch size), plus the reordering allowance (docs/error_model.md,
         "Trajectories"). Every perturbed run of the step adds a random sign times it."""
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(params_before[name])
+        self._load(params_before)
         self._reorder_seed += 1
         _, grads, _, reordered = self._terms(batch, "identical", 1, self.num_micro, absolute=False)
         buffers = {n: b.detach().clone() for n, b in self.buffers.items()}

@@ -35,6 +35,7 @@ cells both ways and compares every margin, violation and per-step figure.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import traceback
 from dataclasses import asdict
@@ -179,19 +180,16 @@ class RankJudge:
                     self.mismatches.append(asdict(m))
             order = self.header["init_order"]
             split = self.cell.data_mode == "split"
-            asked: list = []
-
+            @functools.cache
             def comparison():
                 """The reference's comparison of this step, asked for once (by the judge after the
                 replay's checks: the rank that computes it works meanwhile, [Note: Each rank's term
                 replayed on it] in harness/reference/shadow.py)."""
-                if not asked:
-                    ref = self.reference(step) if self.reference is not None else None
-                    if isinstance(ref, dict):  # the reference's record, trained here: compared here
-                        ref = compare_with_reference(rec, record_on(ref, self.device), self.judge.step_bounds.u_param,
-                                                     split, order)
-                    asked.append(ref)
-                return asked[0]
+                ref = self.reference(step) if self.reference is not None else None
+                if isinstance(ref, dict):  # the reference's record, trained here: compared here
+                    ref = compare_with_reference(rec, record_on(ref, self.device), self.judge.step_bounds.u_param,
+                                                 split, order)
+                return ref
             if self.perturbed is not None:  # the cell is the reference: its parameters before the step are
                 runs = record_on(self.perturbed(step, self._before), self.device)  # none: the team's other ranks step them
                 self.envelopes.append(trajectory_envelope(rec["params"], runs) if runs else {})

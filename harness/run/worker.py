@@ -571,7 +571,7 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
         digests = replicas["digests"] + buffer_digests + pending_digests
         pending_digests = []
         record = {}
-        if term_feed is not None:  # this rank's term, before the lock-step reference: rank 0 waits for it
+        if term_feed is not None:  # this rank's term, first: rank 0's replay waits for it
             term_feed.send(term_shadow.rank_term(params_before, batch, cell.data_mode, ctx.world_size, ctx.rank,
                                                  buffers_before), before_digests)
             release_freed_memory()
