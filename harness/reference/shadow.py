@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -207,6 +207,37 @@ def fold_partial(totals: dict[str, torch.Tensor], partial: dict[str, torch.Tenso
         totals[name] = _added(totals[name], p) if name in totals else p
 
 
+# [Note: An absolute sum of one term is not held]
+# Beside each sum of terms the replay needs the sum of their absolute values (the reduction bound's
+# input). Where a sum is still one term, that is |sum| exactly, so it is not held: a rank's harvest,
+# and the running totals of the rank order, hold an absolute sum only from a parameter's second term
+# (or second partial) on, computed then from the sum it still is, before that is added to. A
+# model's worth of float32 |term| is then never held beside the terms while the next rank's pass
+# runs (64 MiB of the noise's split pass for GPT-2 d384); the bits are the same (|x| is exact, and
+# |x| then widened is x widened then |.|).
+def fold_rank(sums: dict[str, torch.Tensor], abs_sums: dict[str, torch.Tensor] | None,
+              partial: dict[str, torch.Tensor], abs_of_several: dict[str, torch.Tensor]) -> None:
+    """Fold one rank's partial sums (and, where a partial is of several terms, its absolute sums:
+    `abs_of_several`) into the running totals, the next rank in order ([Note: Sums by rank]), a
+    parameter at a time, consuming them; no absolute sums with `abs_sums` None. An absolute total is
+    held from a parameter's second partial on ([Note: An absolute sum of one term is not held]):
+    `with_abs_of_one` completes them."""
+    for name in list(partial):
+        p, several = partial.pop(name), abs_of_several.pop(name, None)
+        if abs_sums is not None:
+            if name in sums:
+                total = abs_sums[name] if name in abs_sums else sums[name].abs()
+                abs_sums[name] = _added(total, p, absolute=True) if several is None else _added(total, several)
+            elif several is not None:
+                abs_sums[name] = several
+        sums[name] = _added(sums[name], p) if name in sums else p
+
+
+def with_abs_of_one(sums: dict[str, torch.Tensor], abs_sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`abs_sums` with |sum| where a sum is of one term and none is held, in the order of `sums`."""
+    return {n: abs_sums[n] if n in abs_sums else t.abs() for n, t in sums.items()}
+
+
 def exact_sums(totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`totals` in float64 (a float32 one, the sum of one term, promoted exactly), in place."""
     for name, t in totals.items():
@@ -216,10 +247,11 @@ def exact_sums(totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _kept_up(abs_sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """sum |term| / W, a bound's input held until the judge reads it, as float32 rounded up
-    ([Note: Bounds kept in float32, rounded up] in harness/reference/tolerance.py), a tensor at a time."""
+    """A bound's inputs held until they are read (sum |term| / W until the judge reads it, the
+    reordered replays' deviation through the noise's split passes), as float32 rounded up ([Note:
+    Bounds kept in float32, rounded up] in harness/reference/tolerance.py), a tensor at a time."""
     for name, a in abs_sums.items():
-        if a.dtype == torch.float64:  # a float32 one is one term's |term|: exact already
+        if a.dtype == torch.float64:  # a float32 one is exact already (one term's |term|)
             abs_sums[name] = elementwise_in_chunks(lambda x: (round_up_to_float32(x),), a)[0]
     return abs_sums
 
@@ -278,7 +310,8 @@ def _runs_of(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) ->
 def _harvest_into(uses: dict[str, list[torch.Tensor]], sums: dict[str, torch.Tensor],
                   absolute: dict[str, torch.Tensor] | None) -> Callable[[int], None]:
     """A harvest of each micro-batch's terms (the gradients of every use of each parameter) into
-    one rank's partial sums ([Note: Sums by rank]), and their absolute values into `absolute`."""
+    one rank's partial sums ([Note: Sums by rank]), and the sums of their absolute values into
+    `absolute` where a parameter has several terms ([Note: An absolute sum of one term is not held])."""
     def harvest(_: int) -> None:
         for name, leaves in uses.items():
             for leaf in leaves:
@@ -286,13 +319,12 @@ def _harvest_into(uses: dict[str, list[torch.Tensor]], sums: dict[str, torch.Ten
                     continue
                 g = leaf.grad.detach()
                 if name in sums:
+                    if absolute is not None:  # from the second term on ([Note: An absolute sum of one term is not held])
+                        absolute[name] = _added(absolute[name] if name in absolute else sums[name].abs(), g,
+                                                absolute=True)
                     sums[name] = _added(sums[name], g)
-                    if absolute is not None:
-                        absolute[name] = _added(absolute[name], g, absolute=True)
-                else:  # the term itself (its leaf lets it go below): exact, no copy
+                else:  # the term itself (its leaf lets it go below): exact, no copy; its |.| not held
                     sums[name] = g if g.dtype != torch.float64 else g.clone()  # added to in place
-                    if absolute is not None:
-                        absolute[name] = g.abs()
                 leaf.grad = None
     return harvest
 
@@ -318,11 +350,21 @@ class RankTerm:
 
     loss: torch.Tensor
     sums: dict[str, torch.Tensor]
-    # sum |term| where it is not |sums[name]| (a float64 sum of several terms); else computed from sums
+    # sum |term| where a partial is of several terms; else |sums[name]|, not held
     abs_of_several: dict[str, torch.Tensor]
 
-    def abs_sums(self) -> dict[str, torch.Tensor]:
-        return {n: self.abs_of_several[n] if n in self.abs_of_several else t.abs() for n, t in self.sums.items()}
+    def parts(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        """Each parameter's partial sum and its absolute sum where that is not |sum| (else None),
+        in the order of `sums`; each let go once read."""
+        for name in list(self.sums):
+            yield name, self.sums.pop(name), self.abs_of_several.pop(name, None)
+
+    def fold_into(self, sums: dict[str, torch.Tensor], abs_sums: dict[str, torch.Tensor] | None) -> None:
+        """Fold this rank's partials into the running totals (`fold_rank`), a parameter at a time,
+        so that one parameter's are held at once (a received term arrives so: harness/run/worker.py
+        `TermFeed`); the term is consumed."""
+        for name, partial, several in self.parts():
+            fold_rank(sums, abs_sums, {name: partial}, {} if several is None else {name: several})
 
 
 # [Note: The finest split served]
@@ -411,9 +453,7 @@ class Shadow:
                 term = None if given is None or draws else given(rank)
                 if term is not None:
                     losses.append(term.loss)
-                    if absolute:
-                        fold_partial(abs_sum, term.abs_sums())
-                    fold_partial(grad_sum, term.sums)
+                    term.fold_into(grad_sum, abs_sum if absolute else None)
                     continue
                 if rank > 0:
                     self._set_buffers(before)
@@ -421,9 +461,7 @@ class Shadow:
                 loss, partial, partial_abs = self._rank_pass(uses, batch, data_mode, world_size, rank, num_micro,
                                                              absolute, partials)
                 losses.append(loss)
-                fold_partial(grad_sum, partial)
-                if partial_abs is not None:
-                    fold_partial(abs_sum, partial_abs)
+                fold_rank(grad_sum, abs_sum if absolute else None, partial, partial_abs or {})
                 for d, p in zip(draws, partials):
                     fold_partial(d, p)
                 del partial, partial_abs, partials
@@ -441,6 +479,8 @@ class Shadow:
                     dev = _abs_difference(d.pop(name), exact)
                     deviation[name] = dev if name not in deviation else torch.maximum(deviation[name], dev,
                                                                                       out=deviation[name])
+        if absolute:
+            abs_sum = with_abs_of_one(grad_sum, abs_sum)
         if data_mode == "identical":
             # Every rank computed this same local term: their mean is it, sum |term| / W is |it|. A
             # sum of one float32 term is returned as that float32 tensor (the same value as its
@@ -482,7 +522,7 @@ class Shadow:
                                                          True, [])
         finally:
             self._retie()
-        return RankTerm(loss.detach(), partial, {n: a for n, a in partial_abs.items() if partial[n].dtype == torch.float64})
+        return RankTerm(loss.detach(), partial, partial_abs)  # absolute sums of several terms only
 
     def _reordered(self, uses: dict[str, list[torch.Tensor]], exact: Callable[[int], None], draws: list[dict],
                    rank: int) -> Callable[[torch.Tensor, int], None]:
@@ -682,6 +722,9 @@ class Shadow:
         self._load(params_before)
         self._reorder_seed += 1
         _, grads, _, reordered = self._terms(batch, "identical", 1, self.num_micro, absolute=False)
+        # held through the split passes below: as float32 rounded up, an upper bound of half the
+        # memory ([Note: Bounds kept in float32, rounded up] in harness/reference/tolerance.py)
+        reordered = _kept_up(reordered)
         buffers = {n: b.detach().clone() for n, b in self.buffers.items()}
         try:
             return self._amplitude(grads, batch, reordered)

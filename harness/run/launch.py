@@ -237,8 +237,9 @@ def launch(
     log_dir.mkdir(parents=True, exist_ok=True)
     plan_file = (log_dir / "plan.json").resolve()
     write_launch_plan(plan_file, plan, world_size, cells)
-    extra_env = (tuple((k, v) for k, v in RETURNING_MALLOC_ENV.items() if k not in os.environ)
-                 if memory_tight(plan, cells) else ())  # a user's own setting wins
+    threshold = returned_block_threshold(plan, cells)
+    extra_env = ((("MALLOC_MMAP_THRESHOLD_", str(threshold)),)
+                 if threshold is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ else ())  # a user's own setting wins
     nodes = None
     if plan.nodes.many:  # [Note: Across nodes]: the other nodes start their part of it from this file
         seq = len(list(nodes_dir(plan.out_dir).glob("launch-*.json")))
@@ -295,7 +296,8 @@ def follower_launch(payload: dict, log_dir: Path, node_rank: int, nodes_director
 # values of a 16.8M-element tensor took 3.8 s, 3.1 s of it in the kernel, and 0.8 s with the two
 # settings below, which keep freed memory in the heap for the next allocation of its size (as
 # PyTorch's CUDA caching allocator does on a GPU). The arithmetic, and so every bit of evidence,
-# is the same; only where the memory comes from changes.
+# is the same; only where the memory comes from changes. Ranks that judge return blocks from a
+# size on ([Note: Freed memory returned]).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 40), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 # [Note: Huge pages for model-sized tensors]
 # Whether freed memory is kept or returned, a model-sized tensor is mapped in 4 KiB pages, and
@@ -313,47 +315,33 @@ HUGE_PAGES_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 # Kept in the heap, freed memory stays in a rank's RSS between its uses, as free chunks among live
 # ones: measured on this VM for a GPT-2 small (124M parameters) at W = 2 judged on the ranks, the
 # cell's rank 0 reached 13 GB and its rank 1 11.7 GB, and the kernel killed a rank of the 23 GB
-# machine. Where the ranks' memory nears the machine's (`memory_tight`), every block of 4 MiB or
-# more is mapped on its own and unmapped when freed, so a rank's RSS follows its live tensors (the
-# same run passed, its largest rank at 13.3 GB, the other at 10.9 GB), at the page faults the
-# note above counts (about 25% more wall time for a 16.8M-parameter GPT-2). The bits are the same.
-# The threshold is glibc's largest default one, 32 MiB: a block below it (a GPT-2 small's layer
-# tensors in float64, its activations, the judge's chunks) is reused from the heap between the
-# releases of freed memory (`release_freed_memory`), and only the embedding-sized ones are mapped
-# and zero-filled afresh. Measured (memray, every allocation of each rank of that GPT-2 small run
-# at W = 2): blocks of 4 MiB or more 138 / 85 GiB over the run, of 32 MiB or more 52 / 37 GiB; the
-# kernel's time in the two ranks 105 s -> 85 s, the run 240 s -> 229 s, the largest rank's peak RSS
-# 8.5 -> 9.2 GB (the machine otherwise idle, one run each).
-RETURNING_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
-# The largest rank of a cell judged on the ranks holds about this many bytes per parameter at its
-# peak, measured: GPT-2 small at W = 2, split, AdamW (13.3 GB for 124.4M parameters, rank 0 of the
-# cell: the FSDP shard, the full parameters and gradients, the replay with its float64 sums and
-# optimizer, the judge's bounds); its rank 1 (the lock-step reference, or the perturbed runs) a
-# little less. Two such ranks run side by side in a team.
-PEAK_BYTES_PER_PARAMETER = 110
+# machine; for a GPT-2 of 16.8M parameters the largest rank's RSS was 300-400 MiB above its live
+# tensors at its peak (its judge's and its noise's temporaries, freed, between live blocks). So the
+# ranks of a launch that judges on the ranks, on CPUs, map every block from a threshold on its own
+# and unmap it when freed, and a rank's RSS follows its live tensors above that size, at the cost
+# of page faults and zero-filling for each such block allocated again. That cost grows with the
+# bytes of such blocks a step allocates, so the threshold grows with the model: 1/32 of the largest
+# judged model's float32 bytes (RETURNED_BLOCK_FRACTION), at least 2 MiB (the huge-page size, from
+# which PyTorch's CPU allocator aligns a block for transparent huge pages: one fault per 2 MiB) and at
+# most 32 MiB (glibc's largest default). Measured on this VM, one run each, `harness run` at W = 2,
+# split, 2 AdamW steps:
+#   GPT-2 d384 (16.8M; 2.0 MiB): the largest rank 1638 -> 1411 MiB, 37 s -> 36 s (4 MiB: 1473 MiB);
+#   GPT-2 small (124M; 14.8 MiB): 206 s at 32 MiB, 204 s at 14.8 MiB (ranks 8.4 GB), 237 s at 2 MiB
+#   (ranks 7.9 GB); the heap keeping everything was slower still (219 s, 10.2 GB).
+# A block below the threshold (a layer's tensor of a large model, the judge's chunks) is reused from
+# the heap between the releases of freed memory (`release_freed_memory`). The bits are the same.
+RETURNED_BLOCK_FRACTION = 32
+RETURNED_BLOCK_BOUNDS = (2 << 20, 32 << 20)
 
 
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def memory_tight(plan: RunPlan, cells: tuple[Cell, ...]) -> bool:
-    """Whether this launch's ranks may need most of the machine's memory ([Note: Freed memory
-    returned]): on CPUs, two ranks at PEAK_BYTES_PER_PARAMETER of the largest model judged on the
-    ranks, beyond half of what the machine has available."""
+def returned_block_threshold(plan: RunPlan, cells: tuple[Cell, ...]) -> int | None:
+    """The size from which this launch's ranks return freed blocks to the system ([Note: Freed
+    memory returned]): on CPUs, where a model is judged on the ranks; None where the heap keeps them."""
     judged = {c.case for c in cells} & set(plan.judged_on_ranks)
-    available = available_memory()
-    if plan.device != "cpu" or not judged or available is None:
-        return False
-    return 2 * PEAK_BYTES_PER_PARAMETER * max(num_parameters(c) for c in judged) > available / 2
+    if plan.device != "cpu" or not judged:
+        return None
+    low, high = RETURNED_BLOCK_BOUNDS
+    return min(high, max(low, 4 * max(num_parameters(c) for c in judged) // RETURNED_BLOCK_FRACTION))
 
 
 def _child_env(launch_id: str, threads: int, extra_pythonpath: tuple[str, ...] = (),

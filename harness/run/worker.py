@@ -19,7 +19,7 @@ import pickle
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -538,6 +538,8 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
     # the digests of the parameters and buffers the step starts from, where ranks replay their own terms
     before_digests = [digest(t) for t in init_params.values()] + pending_digests if terms_on_ranks else None
     steps, params_before, buffers_before = [], init_params, init_bufs
+    if not is_writer:
+        init_params = None  # read again by rank 0 only (the judge's start, a snapshot); step 1 starts from them
     init_buffer_digests = None  # (W, buffers): set from step 1's gather
     per_gather = steps_per_gather(sum(p.numel() for p in plain.parameters()))
     # Steps taken, not gathered yet: (step, this rank's parts, number of replica digests, rank 0's record).
@@ -603,6 +605,10 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
             before_digests = replicas["digests"][:len(params)] + buffer_digests
         if len(pending) == per_gather or step == cell.steps:
             gathered = gather_evidence([parts for _, parts, _, _ in pending], ctx)
+            if term_feed is not None:
+                # rank 0 received this rank's terms before it entered the gather: done, and let go
+                # before the lock-step reference's step
+                term_feed.wait()
             if helper is not None:
                 comparisons = []
                 for (taken, *_), ev in zip(pending, gathered):
@@ -613,6 +619,9 @@ def run_cell(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor
                         comparison = compare_with_reference({**cell_rec, "loss": ev.losses.to(ctx.device)}, ref_rec,
                                                             PARAM_UNIT_ROUNDOFF, cell.data_mode == "split", names)
                     comparisons.append(comparison.to(torch.device("cpu")))  # sent as bytes
+                    # the cell's and the reference's step let go here, not when the next gather
+                    # rebinds these names: they would outlive the next step's training and replay
+                    del cell_rec, ref_rec, comparison
                 dist.send_object_list([comparisons], dst=0, group=ctx.group)
                 del comparisons
             # Each step's record is let go as soon as it is judged: popped, so that nothing of this
@@ -724,20 +733,47 @@ class TermFeed:
 
     @staticmethod
     def receive(rank: int, before: list[int], device: torch.device) -> RankTerm | None:
-        """Rank `rank`'s term, or None where it was computed from other parameters or buffers than `before`'s."""
-        def received(shape, dtype):
-            t = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(t, src=rank, tag=TERM_TAG)
-            return t
-
-        header = received((int(received((1,), torch.int64)),), torch.uint8)
+        """Rank `rank`'s term, or None where it was computed from other parameters or buffers than
+        `before`'s (its tensors received and dropped). The term's tensors are received as they are
+        read (`ReceivedTerm`): rank 0 holds one parameter's of them at a time, not the model's."""
+        header = _received_from(rank, (int(_received_from(rank, (1,), torch.int64, device)),), torch.uint8, device)
         theirs, loss, fields = pickle.loads(header.cpu().numpy().tobytes())
-        sums, several = {}, {}
-        for name, dtype, shape, abs_dtype in fields:
-            sums[name] = received(shape, dtype)
-            if abs_dtype is not None:
-                several[name] = received(shape, abs_dtype)
-        return RankTerm(loss.to(device), sums, several) if theirs == before else None
+        term = ReceivedTerm(loss.to(device), rank, fields, device)
+        if theirs == before:
+            return term
+        for _ in term.parts():
+            pass
+        return None
+
+
+def _received_from(rank: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(t, src=rank, tag=TERM_TAG)
+    return t
+
+
+class ReceivedTerm(RankTerm):
+    """A RankTerm sent by `TermFeed` whose tensors are received from `rank` as `parts` reads them,
+    in the order they were sent. Once reading began, every part is received, read or not (a fold that
+    stops on an error), so the next term's messages are never taken for this one's."""
+
+    def __init__(self, loss: torch.Tensor, rank: int, fields: list, device: torch.device) -> None:
+        super().__init__(loss, {}, {})
+        self.rank, self.fields, self.device = rank, fields, device
+
+    def parts(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        fields, self.fields = self.fields, []
+        at = 0
+        try:
+            for at, (name, dtype, shape, abs_dtype) in enumerate(fields, start=1):
+                partial = _received_from(self.rank, shape, dtype, self.device)
+                several = None if abs_dtype is None else _received_from(self.rank, shape, abs_dtype, self.device)
+                yield name, partial, several
+        finally:
+            for name, dtype, shape, abs_dtype in fields[at:]:
+                _received_from(self.rank, shape, dtype, self.device)
+                if abs_dtype is not None:
+                    _received_from(self.rank, shape, abs_dtype, self.device)
 
 
 class ReferenceFeed:
@@ -758,12 +794,12 @@ class ReferenceFeed:
         self.pending = []
 
     @staticmethod
-    def receive(like: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-        """One step's parameters, shaped as `like` (the initial state's), from the team's rank 0."""
-        out = {n: torch.empty(t.shape, dtype=t.dtype, device=device) for n, t in like.items()}
-        for t in out.values():
+    def receive(into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One step's parameters from the team's rank 0, received into `into`'s tensors (in the
+        order of the names rank 0 sends); returns `into`."""
+        for t in into.values():
             dist.recv(t, src=0)
-        return out
+        return into
 
 
 def perturbed_envelopes(cell: Cell, spec: OptimizerSpec, init_state: dict[str, torch.Tensor],
@@ -775,15 +811,24 @@ def perturbed_envelopes(cell: Cell, spec: OptimizerSpec, init_state: dict[str, t
     is the envelope of all. With `hand_over`, `init_state` is emptied after step 1 (`run_cell`)."""
     case = get_case(cell.case)
     names = [n for n, _ in case.build_shapes().named_parameters()]
-    like = {n: torch.empty(init_state[n].shape, dtype=init_state[n].dtype, device="meta") for n in names}
     runs = PerturbedRuns(case, spec, init_state, seeds, device, init_buffers, device, borrow=True,
                          world_sizes=cell.serves)
+    # The reference's parameters after a step are received into the noise's measure model: the
+    # envelope reads them there, and the next step's noise is measured at them, in that model
+    # (its passes leave its parameters as they are); no copy of the model beside it.
+    measured = runs.measure.params
+    into = {n: measured[n].detach() for n in names}
+    for n in names:
+        if into[n].shape != init_state[n].shape or into[n].dtype != init_state[n].dtype:
+            raise RuntimeError(f"perturbed runs: the measure's {n!r} is {into[n].dtype} {tuple(into[n].shape)}, "
+                               f"the reference's {init_state[n].dtype} {tuple(init_state[n].shape)}")
     envelopes, before = [], init_state
     for step in range(1, cell.steps + 1):
         runs_params = record_on(runs.step(step, before), device)  # the case's code: out of on_device
         if hand_over:
             init_state.clear()  # the runs hold their own copies; the reference's parameters come next
-        params = ReferenceFeed.receive(like, device)
+        with torch.no_grad():
+            params = ReferenceFeed.receive(into)
         with on_device(device):
             envelope = trajectory_envelope(params, runs_params)
         envelopes.append({n: e.cpu() for n, e in envelope.items()})  # sent as bytes

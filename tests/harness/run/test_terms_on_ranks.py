@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.reference.shadow import RankTerm, Shadow
+from harness.reference.shadow import RankTerm, Shadow, with_abs_of_one
 from harness.run.simulated import simulate
 from harness.run.worker import TermFeed
 from cases.catalog import get_case
@@ -28,24 +28,56 @@ def test_a_term_sent_from_the_same_values_arrives_bit_for_bit_and_one_from_other
     def fn(rank):
         if rank == 0:
             same = TermFeed.receive(1, before, torch.device("cpu"))
+            sums, abs_sums = {}, {}
+            same.fold_into(sums, abs_sums)  # received as it is folded
             other = TermFeed.receive(1, before, torch.device("cpu"))
-            return same, other
+            return same.loss, sums, abs_sums, other
         feed = TermFeed()
         feed.send(_term(1), before)
         feed.send(_term(1), [11, 22, 34])  # a replica whose parameters differ in one tensor
         feed.wait()
         return None
 
-    (same, other), _ = simulate(2, fn)
+    (loss, sums, abs_sums, other), _ = simulate(2, fn)
     sent = _term(1)
     assert other is None
-    assert torch.equal(same.loss, sent.loss) and list(same.sums) == list(sent.sums)
+    assert torch.equal(loss, sent.loss)
+    # what rank 0 folds: the partials as sent, one term's |.| computed from it, several terms' as sent
+    assert list(sums) == list(sent.sums)
     for name in sent.sums:
-        assert same.sums[name].dtype == sent.sums[name].dtype and torch.equal(same.sums[name], sent.sums[name])
-    assert list(same.abs_of_several) == ["b"] and torch.equal(same.abs_of_several["b"], sent.abs_of_several["b"])
-    # what rank 0 folds: one term's |.| computed from it, several terms' sum as sent
-    assert torch.equal(same.abs_sums()["w"], sent.sums["w"].abs())
-    assert torch.equal(same.abs_sums()["b"], sent.abs_of_several["b"])
+        assert sums[name].dtype == sent.sums[name].dtype and torch.equal(sums[name], sent.sums[name])
+    assert list(abs_sums) == ["b"]  # one term's |.| is not held, only computed when read
+    abs_sums = with_abs_of_one(sums, abs_sums)
+    assert list(abs_sums) == list(sent.sums)
+    assert torch.equal(abs_sums["w"], sent.sums["w"].abs())
+    assert torch.equal(abs_sums["b"], sent.abs_of_several["b"])
+
+
+def test_a_term_read_in_part_is_received_whole_and_the_next_arrives_intact():
+    """A fold that stops after one parameter (an error in it) still takes the term's other
+    messages, so the next term is read as sent, not from the rest of this one."""
+    before = [1, 2]
+
+    def fn(rank):
+        if rank == 0:
+            first = TermFeed.receive(1, before, torch.device("cpu"))
+            parts = first.parts()
+            next(parts)
+            parts.close()
+            nxt = TermFeed.receive(1, before, torch.device("cpu"))
+            sums: dict = {}
+            nxt.fold_into(sums, None)
+            return nxt.loss, sums
+        feed = TermFeed()
+        feed.send(_term(1), before)
+        feed.send(_term(2), before)
+        feed.wait()
+        return None
+
+    (loss, sums), _ = simulate(2, fn)
+    sent = _term(2)
+    assert torch.equal(loss, sent.loss) and list(sums) == list(sent.sums)
+    assert all(torch.equal(sums[n], sent.sums[n]) for n in sent.sums)
 
 
 def test_a_ranks_replayed_term_is_the_term_rank_0_replays_for_it():
