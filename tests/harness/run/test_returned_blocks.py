@@ -1,6 +1,6 @@
 """Fast tier: [Note: Freed memory returned] in harness/run/launch.py. A launch whose ranks judge
 on CPUs asks glibc to return freed blocks from 1/32 of the largest judged model's float32 bytes
-(between 2 and 32 MiB) to the system; any other launch keeps them in the heap (MALLOC_ENV), and a
+(to the nearest power of two, between 2 and 32 MiB) to the system; any other launch keeps them in the heap (MALLOC_ENV), and a
 user's own setting wins either way."""
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def _spec_env(monkeypatch, plan, parameters: int) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("parameters, threshold", [
-    (124_439_808, 124_439_808 * 4 // 32),  # GPT-2 small: 14.8 MiB
-    (16_800_000, 16_800_000 * 4 // 32),    # GPT-2 d384: 2.0 MiB
+    (124_439_808, 16 << 20),  # GPT-2 small: 14.8 MiB, to the nearest power of two
+    (16_800_000, 2 << 20),    # GPT-2 d384: 2.0 MiB (2.1 MB)
+    (70_000_000, 8 << 20),    # 8.3 MiB
     (1_000, 2 << 20),                       # a catalog model: the huge-page size at least
     (1_500_000_000, 32 << 20),              # GPT-2 XL: glibc's largest default at most
 ])
