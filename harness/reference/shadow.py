@@ -336,9 +336,10 @@ def _harvest_into(uses: dict[str, list[torch.Tensor]], sums: dict[str, torch.Ten
 # parameters and buffers before the step, the batch), so a judged cell's rank r >= 1 builds a
 # replay model too, computes its term with the same code (`Shadow.rank_term`: the pass `_terms`
 # makes for rank r, from the same values, in a process of the same settings: the same bits) and
-# sends it; rank 0 folds it in rank order as if it had computed it. Sent: the partial sum of each
-# parameter's terms (one float32 term as it is), and the absolute sum only where it is not the
-# partial's |.| (several micro-batches or uses; |x| is exact). Reordered replays (a judge's
+# sends it; rank 0 folds it in rank order as if it had computed it, receiving it a parameter at a
+# time as it folds (`RankTerm.fold_into`; harness/run/worker.py `ReceivedTerm`). Sent: the partial
+# sum of each parameter's terms (one float32 term as it is), and the absolute sum only where it is
+# not the partial's |.| (several micro-batches or uses; |x| is exact). Reordered replays (a judge's
 # `reorder_later`) are still computed on rank 0, from every rank's pass. So that rank 1, which also
 # trains the lock-step reference and compares the cell with it, does not become the rank everyone
 # waits for, it steps that reference after the step's evidence is gathered, while rank 0 judges,
