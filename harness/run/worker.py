@@ -815,13 +815,17 @@ def perturbed_envelopes(cell: Cell, spec: OptimizerSpec, init_state: dict[str, t
                          world_sizes=cell.serves)
     # The reference's parameters after a step are received into the noise's measure model: the
     # envelope reads them there, and the next step's noise is measured at them, in that model
-    # (its passes leave its parameters as they are); no copy of the model beside it.
+    # (its passes leave its parameters as they are); no copy of the model beside it. A parameter
+    # the model holds otherwise than the reference sends it (another dtype, not contiguous) is
+    # received into a tensor of its own, which the measure loads.
     measured = runs.measure.params
-    into = {n: measured[n].detach() for n in names}
-    for n in names:
-        if into[n].shape != init_state[n].shape or into[n].dtype != init_state[n].dtype:
-            raise RuntimeError(f"perturbed runs: the measure's {n!r} is {into[n].dtype} {tuple(into[n].shape)}, "
-                               f"the reference's {init_state[n].dtype} {tuple(init_state[n].shape)}")
+
+    def receiver(n: str) -> torch.Tensor:
+        own, sent = measured[n].detach(), init_state[n]
+        if own.shape == sent.shape and own.dtype == sent.dtype and own.is_contiguous():
+            return own
+        return torch.empty(sent.shape, dtype=sent.dtype, device=device)
+    into = {n: receiver(n) for n in names}
     envelopes, before = [], init_state
     for step in range(1, cell.steps + 1):
         runs_params = record_on(runs.step(step, before), device)  # the case's code: out of on_device
