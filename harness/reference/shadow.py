@@ -496,8 +496,9 @@ class Shadow:
                    rank: int, num_micro: int, absolute: bool, draws: list[dict[str, torch.Tensor]]
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
         """One rank's forward and backward on its local batch from the model's parameters and
-        buffers now: its loss, its partial sum and absolute sum of terms ([Note: Sums by rank]),
-        and with `draws` each draw's reordered partial added to it."""
+        buffers now: its loss, its partial sum of terms ([Note: Sums by rank]) and, with `absolute`,
+        the absolute sum where a parameter has several terms ([Note: An absolute sum of one term is
+        not held]; None without), and with `draws` each draw's reordered partial added to it."""
         inputs, targets = map_tensors(lambda t: t.to(self.device), local_batch(batch, data_mode, rank, world_size))
         for leaves in uses.values():
             for leaf in leaves:
