@@ -83,7 +83,7 @@ def rank_epilogue() -> None:
 def release_freed_memory() -> None:
     """Hand the memory freed so far back to the system (glibc's malloc_trim; nothing elsewhere).
     torch's CPU tensors below glibc's mmap threshold (every one under the launch's MALLOC_ENV;
-    those below 32 MiB where memory is tight: harness/run/launch.py) come from the heap, where a
+    those below `returned_block_threshold` in ranks that judge: harness/run/launch.py) come from the heap, where a
     judged step's model-sized temporaries, freed, stay in the process's RSS as free chunks between live ones: 2-3 GB of a GPT-2 of 16.8M parameters judged
     on its rank (issue 31). That memory goes back between cells, after each judged step, and after
     the passes that free most within a step: the replay's step, the lock-step reference's step and

@@ -831,8 +831,7 @@ def perturbed_envelopes(cell: Cell, spec: OptimizerSpec, init_state: dict[str, t
         runs_params = record_on(runs.step(step, before), device)  # the case's code: out of on_device
         if hand_over:
             init_state.clear()  # the runs hold their own copies; the reference's parameters come next
-        with torch.no_grad():
-            params = ReferenceFeed.receive(into)
+        params = ReferenceFeed.receive(into)
         with on_device(device):
             envelope = trajectory_envelope(params, runs_params)
         envelopes.append({n: e.cpu() for n, e in envelope.items()})  # sent as bytes
